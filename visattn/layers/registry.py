@@ -1,0 +1,26 @@
+"""The one mapping from attention name to layer class. Models, train.py, the benchmark and the tests
+all read it; adding an attention type is one new module in visattn/layers plus one line here."""
+from __future__ import annotations
+
+from visattn.layers.base import GridAttention
+from visattn.layers.floor import FloorAttention
+from visattn.layers.linear import LinearAttention
+from visattn.layers.softmax import SoftmaxAttention
+
+ATTENTION_LAYERS: dict[str, type[GridAttention]] = {
+    "softmax": SoftmaxAttention,
+    "linear": LinearAttention,
+    "floor": FloorAttention,
+}
+
+
+def list_attentions() -> list[str]:
+    """Names accepted wherever an attention type is asked for (``attn=...``)."""
+    return list(ATTENTION_LAYERS)
+
+
+def get_attention(name: str) -> type[GridAttention]:
+    """The layer class registered under ``name``; ValueError listing the valid names otherwise."""
+    if not isinstance(name, str) or name not in ATTENTION_LAYERS:
+        raise ValueError(f"unknown attention {name!r}; valid: {', '.join(ATTENTION_LAYERS)}")
+    return ATTENTION_LAYERS[name]
