@@ -1,0 +1,137 @@
+"""Contract tests run on every registered attention layer: a new type is tested the day it is added."""
+import pytest
+import torch
+import torch.nn as nn
+from timm.layers import Attention
+
+import visattn
+from visattn.layers import get_attention
+
+NAMES = visattn.list_attentions()
+DIM, HEADS = 24, 3
+
+
+def _layer(name, **kwargs):
+    return get_attention(name)(DIM, num_heads=HEADS, qkv_bias=True, **kwargs)
+
+
+def _input(grid, prefix, batch=2):
+    return torch.randn(batch, prefix + grid[0] * grid[1], DIM)
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 3], ids=lambda p: f"p{p}")
+@pytest.mark.parametrize("grid", [(5, 7), (6, 4), (1, 9)], ids=lambda g: f"grid{g[0]}x{g[1]}")
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_backward_every_parameter(name, grid, prefix):
+    layer = _layer(name)
+    layer.set_grid(grid, prefix)
+    x = _input(grid, prefix).requires_grad_(True)
+    out = layer(x)
+    assert out.shape == x.shape
+    assert torch.isfinite(out).all()
+    out.square().mean().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    for pname, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name}: no gradient for {pname}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_same_seed_same_output_bit_for_bit(name):
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        layer = _layer(name)
+        layer.set_grid((4, 6), 1)
+        outs.append(layer(_input((4, 6), 1)))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_timm_parameter_names_and_shapes(name):
+    reference = Attention(DIM, num_heads=HEADS, qkv_bias=True, qk_norm=True, norm_layer=nn.LayerNorm)
+    layer = _layer(name, qk_norm=True, norm_layer=nn.LayerNorm)
+    ours = layer.state_dict()
+    for key, value in reference.state_dict().items():
+        assert key in ours and ours[key].shape == value.shape, f"{name}: {key}"
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_softmax_layer_reproduces_timm_attention_exactly(qk_norm):
+    norm = nn.LayerNorm if qk_norm else None
+    reference = Attention(DIM, num_heads=HEADS, qkv_bias=True, qk_norm=qk_norm, norm_layer=norm)
+    layer = _layer("softmax", qk_norm=qk_norm, norm_layer=norm)
+    layer.load_state_dict(reference.state_dict())
+    x = _input((5, 7), 1)
+    assert torch.equal(layer(x), reference(x))
+    mask = torch.rand(x.shape[1], x.shape[1]) > 0.3
+    mask.fill_diagonal_(True)
+    assert torch.equal(layer(x, attn_mask=mask), reference(x, attn_mask=mask))
+    assert torch.equal(layer(x, is_causal=True), reference(x, is_causal=True))
+
+
+GRID_CASES = [(n, {}) for n in NAMES if _layer(n).needs_grid] + [("linear", {"dwconv_kernel": 3})]
+
+
+@pytest.mark.parametrize("name, options", GRID_CASES, ids=[f"{n}{'-dwconv' if o else ''}" for n, o in GRID_CASES])
+def test_grid_mismatch_raises(name, options):
+    layer = _layer(name, **options)
+    layer.set_grid((4, 4), 1)
+    with pytest.raises(ValueError, match="do not match"):
+        layer(_input((4, 5), 1))
+    unset = _layer(name, **options)
+    with pytest.raises(ValueError, match="grid is not set"):
+        unset(_input((4, 4), 0))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unsupported_mask_and_causal_raise(name):
+    layer = _layer(name)
+    layer.set_grid((3, 3), 0)
+    x = _input((3, 3), 0)
+    if not layer.supports_attn_mask:
+        with pytest.raises(ValueError, match="attn_mask"):
+            layer(x, attn_mask=torch.ones(9, 9, dtype=torch.bool))
+    if not layer.supports_causal:
+        with pytest.raises(ValueError, match="is_causal"):
+            layer(x, is_causal=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_construction_raises(name):
+    with pytest.raises(ValueError, match="divisible"):
+        get_attention(name)(25, num_heads=3)
+    with pytest.raises(ValueError, match="x must be"):
+        layer = _layer(name)
+        layer.set_grid((2, 2), 0)
+        layer(torch.randn(1, 4, DIM + 1))
+
+
+def test_registry_lists_and_rejects():
+    assert {"softmax", "linear", "floor"} <= set(NAMES)
+    with pytest.raises(ValueError, match="valid: softmax"):
+        visattn.get_attention("flash")
+
+
+def test_linear_dwconv_locality_uses_the_grid():
+    layer = _layer("linear", dwconv_kernel=3)
+    layer.set_grid((4, 5), 1)
+    x = _input((4, 5), 1)
+    plain = _layer("linear")
+    plain.load_state_dict(layer.state_dict(), strict=False)
+    with torch.no_grad():
+        layer.dwconv.weight.zero_()
+        layer.dwconv.bias.zero_()
+    torch.testing.assert_close(layer(x), plain(x))  # a zero convolution adds nothing
+    with pytest.raises(ValueError, match="dwconv_kernel"):
+        _layer("linear", dwconv_kernel=2)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        layer(x, is_causal=True)
+
+
+def test_linear_causal_layer_matches_reference():
+    layer = _layer("linear")
+    x = _input((3, 4), 1)
+    B, N, _ = x.shape
+    q, k, v = layer.qkv(x).reshape(B, N, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
+    expected = layer.proj(visattn.ops.linear_reference(q, k, v, causal=True).transpose(1, 2).reshape(B, N, DIM))
+    torch.testing.assert_close(layer(x, is_causal=True), expected, rtol=1e-5, atol=1e-6)
