@@ -2,15 +2,25 @@
 all read it; adding an attention type is one new module in visattn/layers plus one line here."""
 from __future__ import annotations
 
+from visattn.layers.axial import AxialAttention
 from visattn.layers.base import GridAttention
 from visattn.layers.floor import FloorAttention
 from visattn.layers.linear import LinearAttention
+from visattn.layers.linformer import LinformerAttention
+from visattn.layers.longformer import LongformerAttention
+from visattn.layers.neighborhood import NeighborhoodAttention
 from visattn.layers.softmax import SoftmaxAttention
+from visattn.layers.sparse import SparseAttention
 
 ATTENTION_LAYERS: dict[str, type[GridAttention]] = {
     "softmax": SoftmaxAttention,
     "linear": LinearAttention,
     "floor": FloorAttention,
+    "axial": AxialAttention,
+    "linformer": LinformerAttention,
+    "neighborhood": NeighborhoodAttention,
+    "sparse": SparseAttention,
+    "longformer": LongformerAttention,
 }
 
 

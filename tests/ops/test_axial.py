@@ -1,0 +1,100 @@
+"""axial vs its explicit-mask twin, and what row-then-column attention must give."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import assert_rms_close, grads_of
+from visattn.ops import axial, axial_reference
+
+# (B, heads, H, W, prefix tokens, head_dim)
+CASES = [
+    (1, 1, 7, 5, 0, 8),
+    (2, 3, 7, 5, 1, 8),
+    (2, 2, 3, 8, 3, 16),
+    (1, 2, 3, 8, 0, 8),
+    (2, 1, 1, 6, 1, 8),
+    (1, 3, 1, 6, 3, 8),
+    (2, 2, 6, 1, 0, 8),
+    (1, 1, 6, 1, 3, 16),
+]
+IDS = [f"B{b}-H{h}-grid{gh}x{gw}-p{p}-d{d}" for b, h, gh, gw, p, d in CASES]
+
+
+def _qkv(b, heads, gh, gw, p, d, dtype=torch.float32):
+    n = p + gh * gw
+    return [torch.randn(b, heads, n, d, dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("b,heads,gh,gw,p,d", CASES, ids=IDS)
+def test_matches_reference_fp32(b, heads, gh, gw, p, d):
+    q, k, v = _qkv(b, heads, gh, gw, p, d)
+    out, grads = grads_of(lambda q, k, v: axial(q, k, v, (gh, gw), p), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: axial_reference(q, k, v, (gh, gw), p), q, k, v)
+    assert_rms_close(out, ref, 1e-5, "out")
+    for name, g, g_ref in zip("qkv", grads, ref_grads):
+        assert_rms_close(g, g_ref, 1e-5, f"d{name}")
+
+
+@pytest.mark.parametrize("b,heads,gh,gw,p,d", CASES, ids=IDS)
+def test_matches_reference_bf16(b, heads, gh, gw, p, d):
+    q, k, v = _qkv(b, heads, gh, gw, p, d)
+    out, grads = grads_of(lambda q, k, v: axial(q, k, v, (gh, gw), p), *(t.bfloat16() for t in (q, k, v)))
+    ref, ref_grads = grads_of(lambda q, k, v: axial_reference(q, k, v, (gh, gw), p), q, k, v)
+    assert out.dtype == torch.bfloat16
+    assert_rms_close(out, ref, 2e-2, "out")
+    for name, g, g_ref in zip("qkv", grads, ref_grads):
+        assert_rms_close(g, g_ref, 2e-2, f"d{name}")
+
+
+@pytest.mark.parametrize(
+    "gh,gw,p", [(4, 3, 0), (4, 3, 2), (1, 5, 1), (5, 1, 0)], ids=["grid4x3-p0", "grid4x3-p2", "grid1x5-p1", "grid5x1-p0"]
+)
+def test_every_output_sees_every_value(gh, gw, p):
+    """Two hops reach the whole grid: d out_t / d v_s != 0 for every pair (t, s)."""
+    q, k, v = _qkv(1, 1, gh, gw, p, 4)
+    v.requires_grad_(True)
+    out = axial(q, k, v, (gh, gw), p)
+    for t in range(out.shape[2]):
+        (grad_v,) = torch.autograd.grad(out[:, :, t].sum(), v, retain_graph=True)
+        reached = grad_v.abs().sum(dim=-1).flatten() > 0  # (N,)
+        assert reached.all(), f"output token {t} does not see value tokens {(~reached).nonzero().flatten().tolist()}"
+
+
+@pytest.mark.parametrize("p", [0, 2], ids=["p0", "p2"])
+def test_constant_values_come_back(p):
+    """Each softmax averages, so constant values pass both hops unchanged, whatever q and k."""
+    q, k, _ = _qkv(2, 3, 5, 4, p, 8)
+    constant = torch.randn(8)
+    v = constant.expand(2, 3, p + 20, 8)
+    torch.testing.assert_close(axial(q, k, v, (5, 4), p), v.expand_as(q), rtol=1e-5, atol=1e-5)
+
+
+def test_uniform_scores_give_the_grid_mean():
+    """q = 0: the row hop gives row means, the column hop averages them into the grid mean."""
+    q, k, v = _qkv(2, 2, 3, 7, 0, 8)
+    out = axial(torch.zeros_like(q), k, v, (3, 7))
+    torch.testing.assert_close(out, v.mean(dim=2, keepdim=True).expand_as(v), rtol=1e-5, atol=1e-5)
+
+
+def test_scale_and_dropout_are_passed_on():
+    q, k, v = _qkv(1, 2, 3, 4, 1, 8)
+    assert_rms_close(axial(q, k, v, (3, 4), 1, scale=0.3), axial_reference(q, k, v, (3, 4), 1, scale=0.3), 1e-5)
+    assert torch.equal(axial(q, k, v, (3, 4), 1, dropout_p=1.0), torch.zeros_like(q))
+
+
+@pytest.mark.parametrize(
+    "shape,grid,p",
+    [
+        ((1, 2, 13, 8), (3, 4), 0),
+        ((1, 2, 12, 8), (3, 4), 1),
+        ((1, 2, 12, 8), (3, 4), -1),
+        ((2, 12, 8), (3, 4), 0),
+        ((1, 2, 12, 8), (0, 12), 0),
+    ],
+    ids=["tokens-vs-grid", "prefix-vs-grid", "negative-prefix", "rank3", "empty-grid"],
+)
+def test_bad_input_raises(shape, grid, p):
+    x = torch.randn(shape)
+    with pytest.raises(ValueError):
+        axial(x, x, x, grid, p)

@@ -1,0 +1,133 @@
+"""The axial and linformer layers: contract, gradients, grid handling, and equality with their ops."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from timm.models.vision_transformer import Block
+
+from tests.helpers import assert_rms_close
+from visattn import get_attention, ops
+from visattn.layers.axial import AxialAttention
+from visattn.layers.linformer import LinformerAttention
+from visattn.ops.linformer import area_pooling_projection
+
+DIM, HEADS = 24, 3
+OPTIONS = {"axial": {}, "linformer": {"k": 6, "ref_grid": (4, 4)}}
+GRIDS = [((4, 4), 0), ((7, 5), 1), ((3, 8), 3), ((1, 6), 1), ((6, 1), 0)]
+GRID_IDS = [f"grid{g[0]}x{g[1]}-p{p}" for g, p in GRIDS]
+
+
+def _layer(name: str, grid, p, **kwargs) -> nn.Module:
+    layer = get_attention(name)(DIM, num_heads=HEADS, **OPTIONS[name], **kwargs)
+    layer.set_grid(grid, p)
+    return layer
+
+
+def test_registry_names():
+    assert get_attention("axial") is AxialAttention
+    assert get_attention("linformer") is LinformerAttention
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+@pytest.mark.parametrize("grid,p", GRIDS, ids=GRID_IDS)
+def test_forward_backward(name, grid, p):
+    layer = _layer(name, grid, p, qkv_bias=True)
+    x = torch.randn(2, p + grid[0] * grid[1], DIM, requires_grad=True)
+    out = layer(x)
+    assert out.shape == x.shape
+    assert torch.isfinite(out).all()
+    out.square().mean().backward()
+    for param_name, param in layer.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, f"no gradient for {param_name}"
+    assert x.grad.abs().sum(dim=-1).gt(0).all(), "some input token does not influence the output"
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+@pytest.mark.parametrize("grid,p", GRIDS, ids=GRID_IDS)
+def test_layer_equals_op(name, grid, p):
+    layer = _layer(name, grid, p, qkv_bias=True)
+    x = torch.randn(2, p + grid[0] * grid[1], DIM)
+    b, n, _ = x.shape
+    q, k, v = layer.qkv(x).reshape(b, n, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)  # (B, heads, N, d)
+    if name == "axial":
+        mixed = ops.axial(q, k, v, grid, p)
+    else:
+        proj_k, proj_v = (ops.resample_projection(w, (4, 4), grid) for w in (layer.proj_k, layer.proj_v))
+        mixed = ops.linformer(q, k, v, proj_k, proj_v, p)
+    expected = layer.proj(mixed.transpose(1, 2).reshape(b, n, DIM))
+    assert_rms_close(layer(x), expected, 1e-5)
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_grid_mismatch_raises(name):
+    layer = get_attention(name)(DIM, num_heads=HEADS, **OPTIONS[name])
+    x = torch.randn(1, 17, DIM)
+    with pytest.raises(ValueError, match="grid is not set"):
+        layer(x)
+    layer.set_grid((4, 4), 0)
+    with pytest.raises(ValueError, match="do not match"):
+        layer(x)
+    layer.set_grid((4, 4), 1)
+    assert layer(x).shape == x.shape
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_timm_block_contract(name):
+    """Built by timm's Block with its keywords (qk_norm, scale_norm, dropout), weights named like timm's."""
+    block = Block(
+        DIM, HEADS, qkv_bias=True, qk_norm=True, scale_attn_norm=True, proj_drop=0.1, attn_drop=0.1,
+        attn_layer=get_attention(name),
+    )
+    block.attn.set_grid((3, 4), 1)
+    x = torch.randn(2, 13, DIM)
+    block.eval()
+    assert torch.isfinite(block(x)).all()
+    assert {"qkv.weight", "qkv.bias", "proj.weight", "q_norm.weight", "norm.weight"} <= set(dict(block.attn.named_parameters()))
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_attn_drop_only_in_training(name):
+    layer = _layer(name, (3, 4), 1, attn_drop=0.5)
+    x = torch.randn(2, 13, DIM)
+    plain = _layer(name, (3, 4), 1)
+    plain.load_state_dict(layer.state_dict())
+    layer.eval()
+    torch.testing.assert_close(layer(x), plain(x))
+    layer.train()
+    assert not torch.allclose(layer(x), plain(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_linformer_any_grid_and_dtype(dtype):
+    # k > Hr * Wr is accepted
+    layer = LinformerAttention(DIM, num_heads=HEADS, k=20, ref_grid=(4, 4), dtype=dtype)
+    assert layer.proj_k.shape == (20, 4, 4) and layer.proj_k.dtype == dtype
+    for grid, p in [((9, 7), 1), ((2, 3), 0)]:
+        layer.set_grid(grid, p)
+        x = torch.randn(1, p + grid[0] * grid[1], DIM, dtype=dtype)
+        out = layer(x)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        out.float().square().mean().backward()
+        assert layer.proj_k.grad is not None and layer.proj_v.grad is not None
+
+
+def test_linformer_init_and_reset_are_area_pooling():
+    layer = LinformerAttention(DIM, num_heads=HEADS, k=6, ref_grid=(5, 3))
+    pooled = area_pooling_projection(6, (5, 3))
+    assert torch.equal(layer.proj_k, pooled) and torch.equal(layer.proj_v, pooled)
+    with torch.no_grad():
+        layer.proj_k.normal_()
+        layer.proj_v.zero_()
+    layer.reset_parameters()
+    assert torch.equal(layer.proj_k, pooled) and torch.equal(layer.proj_v, pooled)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"k": 0}, {"k": 2.5}, {"ref_grid": (0, 4)}, {"ref_grid": (4,)}],
+    ids=["k0", "k-float", "ref-grid-zero", "ref-grid-1d"],
+)
+def test_linformer_bad_options_raise(options):
+    with pytest.raises(ValueError):
+        LinformerAttention(DIM, num_heads=HEADS, **options)

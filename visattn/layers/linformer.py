@@ -1,0 +1,72 @@
+"""Linformer attention layer (Wang et al. 2020): keys and values projected along the token axis."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from visattn import ops
+from visattn.layers.base import GridAttention
+from visattn.ops.linformer import area_pooling_projection
+
+
+class LinformerAttention(GridAttention):
+    """Every query attends to the prefix keys plus k learned mixtures of the patch keys; O(N k d) per head.
+
+    The projections ``proj_k`` and ``proj_v`` (k, Hr, Wr) are shared by all heads and defined on a
+    reference grid; every forward resamples them to the live grid (:func:`visattn.ops.resample_projection`),
+    so any image size works. They start as area pooling (:func:`visattn.ops.linformer.area_pooling_projection`):
+    at initialisation each query attends to a pooled image, a sensible start that also suits converting a
+    pretrained softmax model.
+
+    Type options:
+        k: number of projected tokens. Linformer pays off when k is well below the live H * W. k above
+            Hr * Wr is accepted: the pooled initialisation then overlaps neighbouring blocks, but the
+            projection has at most Hr * Wr independent rows, so such a k only adds cost.
+        ref_grid: (Hr, Wr), the grid the projections are defined on; a model passes its own patch grid.
+    """
+
+    name = "linformer"
+    supports_attn_drop = True
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        scale_norm: bool = False,
+        proj_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        norm_layer: type[nn.Module] | None = None,
+        device=None,
+        dtype=None,
+        *,
+        k: int = 256,
+        ref_grid: tuple[int, int] = (14, 14),
+    ) -> None:
+        super().__init__(
+            dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop, norm_layer, device, dtype
+        )
+        init = area_pooling_projection(k, ref_grid)  # validates k and ref_grid
+        self.k = k
+        self.ref_grid = (int(ref_grid[0]), int(ref_grid[1]))
+        self.proj_k = nn.Parameter(init.to(device=device, dtype=dtype))
+        self.proj_v = nn.Parameter(init.to(device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        """Area-pooling projections (timm's weight init calls this; qkv and proj are its own Linears)."""
+        init = area_pooling_projection(self.k, self.ref_grid)
+        with torch.no_grad():
+            self.proj_k.copy_(init)
+            self.proj_v.copy_(init)
+
+    def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
+        proj_k = ops.resample_projection(self.proj_k, self.ref_grid, grid)  # (k, H * W)
+        proj_v = ops.resample_projection(self.proj_v, self.ref_grid, grid)
+        return ops.linformer(
+            q, k, v, proj_k, proj_v, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p
+        )
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", k={self.k}, ref_grid={self.ref_grid}"

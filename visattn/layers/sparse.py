@@ -1,0 +1,57 @@
+"""2D blocked local attention layer with a halo (HaloNet): b x b query blocks see the block plus a halo."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from visattn import ops
+from visattn.layers.base import GridAttention
+from visattn.ops._checks import check_positive_int
+from visattn.ops.local import check_nonnegative_int, local_with_prefix
+
+
+class SparseAttention(GridAttention):
+    """Patch tokens in b x b blocks attend to their block grown by ``halo`` cells on each side (cut at
+    the grid border); prefix tokens attend to all tokens. O(N (b + 2 halo)^2 d) per head for the patches.
+
+    Type options:
+        block_size: block side b; the last block of an axis may be partial.
+        halo: cells added on each side of a block (0: non-overlapping block attention).
+    """
+
+    name = "sparse"
+    supports_attn_drop = True
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        scale_norm: bool = False,
+        proj_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        norm_layer: type[nn.Module] | None = None,
+        device=None,
+        dtype=None,
+        *,
+        block_size: int = 8,
+        halo: int = 3,
+    ) -> None:
+        super().__init__(
+            dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop, norm_layer, device, dtype
+        )
+        check_positive_int(block_size, "block_size", self.name)
+        check_nonnegative_int(halo, "halo", self.name)
+        self.block_size = block_size
+        self.halo = halo
+
+    def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
+        local_op = partial(ops.sparse, block_size=self.block_size, halo=self.halo, dropout_p=self.dropout_p)
+        return local_with_prefix(q, k, v, grid, self.num_prefix_tokens, local_op, dropout_p=self.dropout_p)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", block_size={self.block_size}, halo={self.halo}"

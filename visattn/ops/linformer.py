@@ -1,0 +1,164 @@
+"""Linformer (Wang et al. 2020): softmax attention over keys and values projected along the token axis.
+
+The H * W patch keys and values are mixed down to k tokens, ``K' = E K_patch`` and ``V' = F V_patch``
+with E, F of shape (k, H * W), shared across batch and heads. Every query (patch and prefix) attends
+to the P prefix keys plus the k projected keys. Cost per head: O(k H W d) for the projections plus
+O(N (P + k) d) for the attention: linear in N for a fixed k.
+
+The projections are learned on a reference grid as (k, Hr, Wr) and resampled in 2D to the live grid
+(:func:`resample_projection`), so one layer serves any image size. :func:`area_pooling_projection` is
+their initial value: each projected token averages one block of the grid.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from visattn.ops._checks import check_positive_int, check_qkv
+from visattn.ops._reference import masked_attention_reference
+
+
+def _grid_size(grid: tuple[int, int], name: str, op: str) -> tuple[int, int]:
+    if len(grid) != 2 or any(int(g) < 1 for g in grid):
+        raise ValueError(f"{op}: {name} must be (H, W) with H, W >= 1, got {tuple(grid)}")
+    return int(grid[0]), int(grid[1])
+
+
+def _check_projections(
+    q: torch.Tensor, proj_k: torch.Tensor, proj_v: torch.Tensor, num_prefix_tokens: int, op: str
+) -> None:
+    if num_prefix_tokens < 0 or num_prefix_tokens >= q.shape[2]:
+        raise ValueError(
+            f"{op}: num_prefix_tokens must be in [0, N) with N={q.shape[2]}, got {num_prefix_tokens}"
+        )
+    num_patches = q.shape[2] - num_prefix_tokens
+    for name, proj in (("proj_k", proj_k), ("proj_v", proj_v)):
+        if proj.ndim != 2 or proj.shape[1] != num_patches or proj.shape[0] < 1:
+            raise ValueError(
+                f"{op}: {name} must be (k, H * W) = (k, {num_patches}) with k >= 1, got shape {tuple(proj.shape)}"
+            )
+    if proj_k.shape != proj_v.shape:
+        raise ValueError(
+            f"{op}: proj_k and proj_v must have the same shape, got {tuple(proj_k.shape)} and {tuple(proj_v.shape)}"
+        )
+
+
+def linformer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    proj_k: torch.Tensor,
+    proj_v: torch.Tensor,
+    num_prefix_tokens: int = 0,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention of every query over [prefix keys, proj_k @ patch keys].
+
+    Args:
+        q, k, v: (B, heads, N, d), N = num_prefix_tokens + H * W, prefix tokens first.
+        proj_k, proj_v: (k, H * W), the token-axis projections on the live grid (see
+            :func:`resample_projection`); cast to the dtype of k and v.
+        num_prefix_tokens: P, the class/register tokens before the patches; they are kept as keys
+            and values as they are, not projected.
+        dropout_p: attention dropout.
+        scale: score scale; ``d ** -0.5`` if None.
+    Returns:
+        (B, heads, N, d)
+    """
+    check_qkv(q, k, v, "linformer")
+    _check_projections(q, proj_k, proj_v, num_prefix_tokens, "linformer")
+    p = num_prefix_tokens
+    k_proj = proj_k.to(k.dtype) @ k[:, :, p:]  # (k, HW) @ (B, heads, HW, d) -> (B, heads, k, d)
+    v_proj = proj_v.to(v.dtype) @ v[:, :, p:]
+    keys = torch.cat([k[:, :, :p], k_proj], dim=2)  # (B, heads, P + k, d)
+    values = torch.cat([v[:, :, :p], v_proj], dim=2)
+    return F.scaled_dot_product_attention(q, keys, values, dropout_p=dropout_p, scale=scale)
+
+
+def linformer_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    proj_k: torch.Tensor,
+    proj_v: torch.Tensor,
+    num_prefix_tokens: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Naive twin of :func:`linformer`: explicit sums over tokens, then explicit scores."""
+    check_qkv(q, k, v, "linformer_reference")
+    _check_projections(q, proj_k, proj_v, num_prefix_tokens, "linformer_reference")
+    p = num_prefix_tokens
+    k_proj = torch.einsum("jt,bhtd->bhjd", proj_k.to(k.dtype), k[:, :, p:])  # K'_j = sum_t E_jt K_t
+    v_proj = torch.einsum("jt,bhtd->bhjd", proj_v.to(v.dtype), v[:, :, p:])
+    keys = torch.cat([k[:, :, :p], k_proj], dim=2)
+    values = torch.cat([v[:, :, :p], v_proj], dim=2)
+    allowed = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=q.device)
+    return masked_attention_reference(q, keys, values, allowed, scale)
+
+
+def resample_projection(proj: torch.Tensor, ref_grid: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
+    """A token-axis projection defined on ``ref_grid``, carried over to the live ``grid``.
+
+    Each row of the projection is a weight map over the reference grid. For another grid it is
+    resized in 2D with bilinear interpolation (``F.interpolate``, ``align_corners=False``,
+    ``antialias=True``; antialiasing only changes shrinking, where it averages instead of sampling, so
+    a block of weight is never skipped), then multiplied by ``(Hr * Wr) / (H * W)``: a projected token
+    is a weighted *sum* over tokens, and resizing keeps the mean weight, so the rescale keeps each
+    row's total weight (exactly for rows constant over the grid and for integer upscaling, closely
+    otherwise) and the projected keys and values keep their magnitude at any image size. At the
+    reference grid the projection is returned unchanged (no interpolation).
+
+    Args:
+        proj: (k, Hr, Wr).
+        ref_grid: (Hr, Wr), the grid the projection is defined on.
+        grid: (H, W), the live patch grid.
+    Returns:
+        (k, H * W) in proj's dtype, for :func:`linformer`.
+    """
+    hr, wr = _grid_size(ref_grid, "ref_grid", "resample_projection")
+    h, w = _grid_size(grid, "grid", "resample_projection")
+    if proj.ndim != 3 or tuple(proj.shape[1:]) != (hr, wr):
+        raise ValueError(
+            f"resample_projection: proj must be (k, Hr, Wr) = (k, {hr}, {wr}), got shape {tuple(proj.shape)}"
+        )
+    if (h, w) == (hr, wr):
+        return proj.flatten(1)
+    resized = F.interpolate(  # in fp32: the antialiased kernel has no bf16/fp16 CPU implementation
+        proj.float().unsqueeze(0), size=(h, w), mode="bilinear", align_corners=False, antialias=True
+    ).squeeze(0)  # (k, H, W)
+    return (resized.flatten(1) * ((hr * wr) / (h * w))).to(proj.dtype)
+
+
+def _block_averages(num_blocks: int, size: int) -> torch.Tensor:
+    """(num_blocks, size): row a averages cells [floor(a size / n), ceil((a + 1) size / n)), the
+    blocks of adaptive average pooling."""
+    weights = torch.zeros(num_blocks, size)
+    for a in range(num_blocks):
+        start = (a * size) // num_blocks
+        end = -((-(a + 1) * size) // num_blocks)
+        weights[a, start:end] = 1.0 / (end - start)
+    return weights
+
+
+def area_pooling_projection(k: int, grid: tuple[int, int]) -> torch.Tensor:
+    """The projection that average-pools the grid into k blocks: the Linformer initialisation.
+
+    k is laid out as kh x kw with kh the largest divisor of k not above sqrt(k); row ``j = a * kw + b``
+    averages the cell block that ``F.adaptive_avg_pool2d`` to (kh, kw) averages for output (a, b).
+    Each row sums to 1, so at initialisation every query attends to a pooled image; for a model
+    converted from softmax attention this keeps the keys and values in the range the weights expect.
+    If kh > H or kw > W, adaptive pooling repeats cells (neighbouring blocks overlap); the rows then
+    span at most H * W distinct maps, so k > H * W costs more than it adds.
+
+    Returns:
+        (k, H, W), fp32.
+    """
+    check_positive_int(k, "k", "area_pooling_projection")
+    h, w = _grid_size(grid, "grid", "area_pooling_projection")
+    kh = max(div for div in range(1, math.isqrt(k) + 1) if k % div == 0)
+    kw = k // kh
+    rows, cols = _block_averages(kh, h), _block_averages(kw, w)  # (kh, H), (kw, W)
+    return torch.einsum("ay,bx->abyx", rows, cols).reshape(k, h, w)

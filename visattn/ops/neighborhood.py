@@ -1,0 +1,68 @@
+"""2D neighbourhood attention (Hassani et al. 2023, NATTEN semantics) on the tiled engine.
+
+Each query attends to the k x k window of its grid neighbours. At the borders the window is shifted
+inward rather than cut, so every query sees exactly k^2 keys: per axis the window is
+``[s, s + k)`` with ``s = clamp(i - k // 2, 0, L - k)``. A kernel larger than an axis (k > L) is clamped
+to that axis, i.e. the query sees the whole axis there (k_eff = L).
+"""
+from __future__ import annotations
+
+import torch
+
+from visattn.ops._checks import check_positive_int, check_qkv_grid
+from visattn.ops._reference import masked_attention_reference
+from visattn.ops.local import neighborhood_axis, tiled_local_attention
+
+
+def neighborhood(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel_size: int,
+    tile_size: int = 8,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention of each query over its k x k grid neighbourhood.
+
+    Args:
+        q, k, v: (B, heads, H, W, d).
+        kernel_size: odd window side k; clamped per axis to the grid side when larger.
+        tile_size: queries are processed in tiles of tile_size x tile_size cells, each reading a
+            (tile_size + k - 1)^2 key region; the result does not depend on it.
+        dropout_p: dropout on the attention weights.
+        scale: score scale, default d^-0.5.
+    Returns:
+        (B, heads, H, W, d)
+    """
+    check_qkv_grid(q, k, v, "neighborhood")
+    check_positive_int(kernel_size, "kernel_size", "neighborhood", odd=True)
+    check_positive_int(tile_size, "tile_size", "neighborhood")
+    H, W = q.shape[2:4]
+    rows = neighborhood_axis(H, kernel_size, tile_size, q.device)
+    cols = neighborhood_axis(W, kernel_size, tile_size, q.device)
+    return tiled_local_attention(q, k, v, rows, cols, dropout_p=dropout_p, scale=scale)
+
+
+def neighborhood_mask(grid: tuple[int, int], kernel_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """(H*W, H*W) bool, row-major tokens: ``[i, j]`` says query i may see key j. The plain definition."""
+    H, W = grid
+
+    def axis(length: int) -> torch.Tensor:  # (length, length): query position x key position
+        k = min(kernel_size, length)
+        pos = torch.arange(length, device=device)
+        start = (pos - k // 2).clamp(0, length - k)
+        return (start[:, None] <= pos[None, :]) & (pos[None, :] < start[:, None] + k)
+
+    rows, cols = axis(H), axis(W)
+    return (rows[:, None, :, None] & cols[None, :, None, :]).reshape(H * W, H * W)
+
+
+def neighborhood_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int, scale: float | None = None
+) -> torch.Tensor:
+    """Naive twin of :func:`neighborhood`: explicit N x N scores with the window mask."""
+    B, heads, H, W, _ = q.shape
+    flat = [t.reshape(B, heads, H * W, t.shape[-1]) for t in (q, k, v)]
+    out = masked_attention_reference(*flat, neighborhood_mask((H, W), kernel_size, q.device), scale)
+    return out.reshape(B, heads, H, W, -1)

@@ -1,0 +1,68 @@
+"""2D blocked local attention with a halo (HaloNet, Vaswani et al. 2021) on the tiled engine.
+
+The sliding window of sparse transformers made 2D and blocked: the grid is cut into b x b blocks
+(the last block of an axis may be partial) and every query of a block attends to the block grown by
+``halo`` cells on each side, cut at the grid border (keys outside the grid do not exist). Per axis the
+queries of block ``[s, min(s + b, L))`` see ``[s - halo, s + b + halo) ∩ [0, L)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from visattn.ops._checks import check_positive_int, check_qkv_grid
+from visattn.ops._reference import masked_attention_reference
+from visattn.ops.local import blocked_axis, check_nonnegative_int, tiled_local_attention
+
+
+def sparse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_size: int,
+    halo: int,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention of each b x b query block over the block plus a halo.
+
+    Args:
+        q, k, v: (B, heads, H, W, d).
+        block_size: block side b.
+        halo: cells added on each side of the block (0: plain non-overlapping block attention).
+        dropout_p: dropout on the attention weights.
+        scale: score scale, default d^-0.5.
+    Returns:
+        (B, heads, H, W, d)
+    """
+    check_qkv_grid(q, k, v, "sparse")
+    check_positive_int(block_size, "block_size", "sparse")
+    check_nonnegative_int(halo, "halo", "sparse")
+    H, W = q.shape[2:4]
+    rows = blocked_axis(H, block_size, halo, q.device)
+    cols = blocked_axis(W, block_size, halo, q.device)
+    return tiled_local_attention(q, k, v, rows, cols, dropout_p=dropout_p, scale=scale)
+
+
+def sparse_mask(
+    grid: tuple[int, int], block_size: int, halo: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """(H*W, H*W) bool, row-major tokens: ``[i, j]`` says query i may see key j. The plain definition."""
+    H, W = grid
+
+    def axis(length: int) -> torch.Tensor:  # (length, length): query position x key position
+        pos = torch.arange(length, device=device)
+        block_start = pos // block_size * block_size
+        return (block_start[:, None] - halo <= pos[None, :]) & (pos[None, :] < block_start[:, None] + block_size + halo)
+
+    rows, cols = axis(H), axis(W)
+    return (rows[:, None, :, None] & cols[None, :, None, :]).reshape(H * W, H * W)
+
+
+def sparse_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, halo: int, scale: float | None = None
+) -> torch.Tensor:
+    """Naive twin of :func:`sparse`: explicit N x N scores with the block-plus-halo mask."""
+    B, heads, H, W, _ = q.shape
+    flat = [t.reshape(B, heads, H * W, t.shape[-1]) for t in (q, k, v)]
+    out = masked_attention_reference(*flat, sparse_mask((H, W), block_size, halo, q.device), scale)
+    return out.reshape(B, heads, H, W, -1)
