@@ -52,7 +52,7 @@ class LinformerAttention(GridAttention):
         self.k = k
         self.ref_grid = (int(ref_grid[0]), int(ref_grid[1]))
         self.proj_k = nn.Parameter(init.to(device=device, dtype=dtype))
-        self.proj_v = nn.Parameter(init.to(device=device, dtype=dtype))
+        self.proj_v = nn.Parameter(init.to(device=device, dtype=dtype, copy=True))  # its own storage, not proj_k's
 
     def reset_parameters(self) -> None:
         """Area-pooling projections (timm's weight init calls this; qkv and proj are its own Linears)."""
