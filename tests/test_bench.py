@@ -1,0 +1,374 @@
+"""visattn-bench end to end at tiny sizes, the FLOP formulas, the exponent fit, crossovers and attn='auto'."""
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import math
+import re
+
+import pytest
+import timm
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import visattn
+from visattn import auto, bench
+from visattn.flops import (
+    TokenLayout,
+    ViTShape,
+    attention_options,
+    estimate_memory,
+    mixing_flops,
+    train_flops,
+    vit_flops,
+)
+from visattn.ops.axial import axial_masks
+from visattn.ops.longformer import longformer_mask
+from visattn.ops.neighborhood import neighborhood_mask
+from visattn.ops.sparse import sparse_mask
+
+TINY_MODEL = ["--model-kwargs", "embed_dim=32", "depth=1", "num_heads=2", "--num-classes", "10"]
+FAST = ["--min-iters", "1", "--min-seconds", "0", "--warmup", "0"]
+# Estimates at 32 and 64 px are well below 5 MB; at 1024 px the input image alone is 12 MB.
+MAX_MEMORY_GB = "0.005"
+
+
+def _run(argv: list[str]) -> str:
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert bench.main(argv) == 0
+    return stdout.getvalue()
+
+
+def _read_csv(path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """One tiny model sweep: timm, floor, linear at 32, 64 and 1024 px (1024 over --max-memory), both modes."""
+    out = tmp_path_factory.mktemp("bench")
+    cache = tmp_path_factory.mktemp("cache")
+    argv = TINY_MODEL + FAST + ["--attn", "linear", "--sizes", "32", "64", "1024", "--max-memory", MAX_MEMORY_GB]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(cache))
+        stdout = _run(argv + ["--device", "cpu", "--calibrate", "--out", str(out)])
+    return out, cache, stdout
+
+
+def test_sweep_csv_has_timm_columns_and_every_row(sweep):
+    out, _, _ = sweep
+    rows = _read_csv(out / "bench.csv")
+    for mode in ("infer", "train"):
+        for column in ("samples_per_sec", "step_time", "batch_size", "img_size", "gmacs", "gflops", "gflops_per_sec",
+                       "pct_of_floor", "speedup_vs_timm", "peak_mem_mb", "mem_estimate_mb", "status"):
+            assert f"{mode}_{column}" in rows[0], f"{mode}_{column} missing"
+    assert {"attn", "model", "tokens", "grid", "param_count"} <= set(rows[0])
+    assert [(r["attn"], r["infer_img_size"]) for r in rows] == [
+        (attn, size) for size in ("32", "64", "1024") for attn in ("timm", "floor", "linear")
+    ]
+    assert [r["model"] for r in rows[:3]] == ["vit_small_patch16_224", "visattn_vit_small_patch16", "visattn_vit_small_patch16"]
+    measured = [r for r in rows if r["infer_img_size"] != "1024"]
+    for r in measured:
+        for mode in ("infer", "train"):
+            assert r[f"{mode}_status"] == "ok"
+            assert float(r[f"{mode}_samples_per_sec"]) > 0
+            assert math.isclose(float(r[f"{mode}_step_time"]) * float(r[f"{mode}_samples_per_sec"]), 1000, rel_tol=1e-2)
+            assert float(r[f"{mode}_peak_mem_mb"]) > 0
+    floor_rows = [r for r in measured if r["attn"] == "floor"]
+    timm_rows = [r for r in measured if r["attn"] == "timm"]
+    assert all(float(r["infer_pct_of_floor"]) == 100 for r in floor_rows)
+    assert all(float(r["train_speedup_vs_timm"]) == 1 for r in timm_rows)
+    # The stock timm model and the visattn model share the backbone: same parameter count.
+    assert {r["param_count"] for r in rows[:3]} == {rows[0]["param_count"]}
+    assert [r["tokens"] for r in rows[::3]] == ["4", "16", "4096"]
+
+
+def test_sweep_skips_over_max_memory_with_its_estimate(sweep):
+    out, _, stdout = sweep
+    rows = [r for r in _read_csv(out / "bench.csv") if r["infer_img_size"] == "1024"]
+    assert len(rows) == 3
+    for r in rows:
+        for mode in ("infer", "train"):
+            status = re.fullmatch(r"skipped: estimated (\S+) GB > --max-memory (\S+) GB", r[f"{mode}_status"])
+            assert status, r[f"{mode}_status"]
+            estimate_gb = float(r[f"{mode}_mem_estimate_mb"]) / 1024
+            assert float(status[1]) == pytest.approx(estimate_gb, rel=1e-2) and float(status[2]) == float(MAX_MEMORY_GB)
+            assert estimate_gb > float(MAX_MEMORY_GB)
+            assert r[f"{mode}_samples_per_sec"] == "" and r[f"{mode}_peak_mem_mb"] == ""
+    assert "| linear | 1024 | 4096 | skipped: estimated" in stdout
+
+
+def test_sweep_markdown_plot_and_summary(sweep):
+    out, _, stdout = sweep
+    assert stdout.startswith("# visattn-bench: visattn_vit_small_patch16 vs timm vit_small_patch16_224")
+    for heading in ("## Inference (forward)", "## Training step", "## Scaling exponents", "## Crossover"):
+        assert heading in stdout
+    assert "| attn | img | tokens | images/s | ms/step | GFLOPs/img |" in stdout
+    assert (out / "bench.md").read_text().strip() == stdout.split("calibration for")[0].strip()
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "bench_summary.json").read_text())
+    assert set(summary["exponents"]) == {"timm", "floor", "linear"}
+    assert set(summary["crossover"]) == {"floor", "linear"}
+
+
+def test_calibrate_writes_what_auto_reads(sweep, monkeypatch):
+    _, cache, _ = sweep
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    entry = json.loads(auto.calibration_path().read_text())["models"]["visattn_vit_small_patch16"]
+    assert entry["mode"] == "train"
+    assert entry["thresholds"][0] == [0, "linear"]  # floor is never chosen and timm is not a visattn type
+    assert auto.select_attention("visattn_vit_small_patch16", (64, 64)) == "linear"
+
+
+def test_ops_mode_reports_seed_claims(tmp_path):
+    argv = ["--ops", "--grids", "16x32", "--heads", "2", "--head-dim", "8", "--attn", "linear", "sparse"]
+    stdout = _run(argv + FAST + ["--modes", "infer", "--device", "cpu", "--out", str(tmp_path)])
+    rows = _read_csv(tmp_path / "ops.csv")
+    assert [r["attn"] for r in rows] == ["softmax", "softmax_explicit", "linear", "sparse"]
+    assert all(r["tokens"] == "512" and r["infer_status"] == "ok" for r in rows)
+    assert [r["seed_claimed_ms"] for r in rows] == ["standard: 100", "standard: 100", "linear: 60", "sparse: 80"]
+    assert float(rows[0]["infer_gflops"]) == pytest.approx(4 * 512**2 * 16 / 1e9, rel=1e-3)
+    assert "infer_speedup_vs_timm" not in rows[0] and "infer_pct_of_floor" not in rows[0]
+    assert "| softmax | 16x32 | 512 |" in stdout and "seed claim (ms)" in stdout
+    assert (tmp_path / "ops.png").exists()
+
+
+class _Progress:
+    def set_description(self, text: str) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def test_worker_failures_are_reported_in_their_rows():
+    """An out-of-memory error (a 4 TB score matrix) and an error while building end their rows only."""
+
+    def result(attn: str, grid: tuple[int, int], attn_kwargs: dict) -> bench.Result:
+        case = bench.Case(kind="op", attn=attn, mode="infer", size=grid, batch_size=1, device="cpu", dtype="fp32",
+                          compile=False, attn_kwargs=attn_kwargs, num_heads=1, head_dim=1)
+        return bench.Result(case, grid[0] * grid[1], grid, flops=0, estimate_bytes=0, param_count=0)
+
+    huge = result("softmax_explicit", (1000, 1000), {})
+    broken = result("linformer", (2, 4), {"k": 0})
+    fine = result("linear", (2, 4), {})
+    bench.measure([huge, broken, fine], bench.Timing(0, 2, 0.0, 60.0), 2**40, 2**40, _Progress())
+    assert huge.status == "oom" and "allocate" in huge.message
+    assert broken.status == "error" and "ValueError" in broken.message and "k must be" in broken.message
+    assert fine.status == "ok" and len(fine.times) == 2 and fine.peak_bytes > 0
+    assert huge.step_time is None and broken.samples_per_sec is None
+
+
+def test_bad_arguments_exit_with_a_message(capsys):
+    for argv in (["--attn", "nope"], ["--sizes", "0"], ["--model-kwargs", "img_size=3"], ["--attn-kwargs", "[1]"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv + ["--device", "cpu"])
+    assert "unknown attention(s) nope" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOP formulas
+
+
+def test_softmax_mixing_is_4_n2_c():
+    layout = TokenLayout((7, 5), num_prefix_tokens=1)
+    assert mixing_flops("softmax", layout, 3, 16, {}) == 4 * 36**2 * 48
+
+
+def _tiny_model(attn: str, img: tuple[int, int]) -> torch.nn.Module:
+    kwargs = dict(img_size=img, embed_dim=32, depth=2, num_heads=2, num_classes=10, reg_tokens=2)
+    if attn == "timm":
+        return timm.create_model("vit_small_patch16_224", **kwargs)
+    return timm.create_model("visattn_vit_small_patch16", attn=attn, **kwargs)
+
+
+def _counted_flops(model: torch.nn.Module, img: tuple[int, int], backward: bool) -> int:
+    """FlopCounterMode on the math path of SDPA, which shows it every product (the fused CPU kernel
+    hides its products from the counter)."""
+    x = torch.randn(1, 3, *img)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        out = model(x)
+        if backward:
+            out.sum().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("attn", visattn.list_attentions() + ["timm"])
+def test_model_flops_match_flop_counter(attn):
+    """The whole forward, per type; non-square grid, class token plus two register tokens."""
+    img = (64, 96)
+    model = _tiny_model(attn, img)
+    shape = ViTShape.from_model(model)
+    cost_attn = "softmax" if attn == "timm" else attn
+    assert shape.num_prefix_tokens == 3 and shape.grid(img) == (4, 6)
+    options = attention_options(cost_attn, {}, shape.grid(img))
+    assert vit_flops(shape, img, cost_attn, options) == _counted_flops(model, img, backward=False)
+
+
+@pytest.mark.parametrize("attn", ["timm", "floor"])
+def test_training_flops_match_flop_counter(attn):
+    """Forward + backward of models whose backward is plain autograd (no recomputation)."""
+    img = (64, 96)
+    model = _tiny_model(attn, img)
+    shape = ViTShape.from_model(model)
+    cost_attn = "softmax" if attn == "timm" else attn
+    assert train_flops(shape, img, cost_attn, {}) == _counted_flops(model, img, backward=True)
+
+
+LOCAL_CASES = [
+    ("neighborhood", {"kernel_size": 3, "tile_size": 2}, (5, 7), 1),
+    ("neighborhood", {"kernel_size": 9, "tile_size": 4}, (6, 4), 0),
+    ("sparse", {"block_size": 2, "halo": 1}, (5, 7), 1),
+    ("sparse", {"block_size": 3, "halo": 0}, (7, 4), 2),
+    ("longformer", {"local": "neighborhood", "kernel_size": 3, "num_extra_global_tokens": 0}, (5, 6), 1),
+    ("longformer", {"local": "sparse", "block_size": 2, "halo": 1, "num_extra_global_tokens": 0}, (5, 7), 2),
+]
+
+
+@pytest.mark.parametrize(
+    "attn, opts, grid, p", LOCAL_CASES, ids=[f"{a}-{'-'.join(f'{k}{v}' for k, v in o.items())}-grid{g[0]}x{g[1]}-p{p}" for a, o, g, p in LOCAL_CASES]
+)
+def test_local_flops_count_the_pairs_of_the_op_mask(attn, opts, grid, p):
+    """4 C per allowed (query, key) pair of the op's own mask definition: the keys each query may see."""
+    h, d = 2, 8
+    options = attention_options(attn, opts, grid)
+    layout = TokenLayout(grid, p)
+    if attn == "longformer":
+        pairs = int(longformer_mask(grid, p, options["local"], options["kernel_size"], options["block_size"], options["halo"]).sum())
+    else:
+        mask = neighborhood_mask(grid, opts["kernel_size"]) if attn == "neighborhood" else sparse_mask(grid, opts["block_size"], opts["halo"])
+        pairs = int(mask.sum()) + p * layout.num_tokens  # prefix rows attend to all tokens
+    assert mixing_flops(attn, layout, h, d, options) == 4 * h * d * pairs
+
+
+def test_axial_flops_count_the_pairs_of_both_hops():
+    grid, p, h, d = (5, 7), 2, 2, 8
+    same_row, same_col = axial_masks(grid, p)
+    n = p + grid[0] * grid[1]
+    pairs = int(same_row.sum() + same_col.sum()) - p * n  # the prefix rows attend once, not per hop
+    assert mixing_flops("axial", TokenLayout(grid, p), h, d, {}) == 4 * h * d * pairs
+
+
+def test_linformer_and_linear_flops_by_hand():
+    layout, h, d = TokenLayout((4, 6), 1), 2, 8
+    n, m, c = 25, 24, 16
+    assert mixing_flops("linformer", layout, h, d, {"k": 5}) == 2 * c * 5 * m * 2 + 4 * c * n * (1 + 5)
+    assert mixing_flops("linear", layout, h, d, {"dwconv_kernel": None}) == 2 * n * c * d + 2 * n * c * (d + 1)
+    assert mixing_flops("linear", layout, h, d, {"dwconv_kernel": 3}) == 2 * c * n * (2 * d + 1) + 2 * m * c * 9
+    assert mixing_flops("floor", layout, h, d, {}) == 0
+
+
+@pytest.mark.parametrize("attn", visattn.list_attentions())
+def test_memory_estimate_orders(attn):
+    shape = ViTShape(384, 12, 6, 1536, (16, 16), 3, 1, 1000)
+    options = attention_options(attn, {}, shape.grid((512, 512)))
+    params = 22_000_000
+
+    def estimate(img, batch, training):
+        return estimate_memory(shape, (img, img), attn, options, batch, training, 4, params)
+
+    assert 4 * params < estimate(512, 1, False) < estimate(512, 1, True)
+    assert estimate(512, 1, True) < estimate(1024, 1, True) < estimate(1024, 2, True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exponent fit and crossover
+
+
+def test_fit_exponent_recovers_the_slope_of_the_largest_sizes():
+    tokens = [196, 1024, 4096, 16384, 65536]
+    times = [5.0, 7.0] + [3e-6 * t**1.7 for t in tokens[2:]]  # the small sizes are off the power law
+    assert bench.fit_exponent(tokens, times, points=3) == pytest.approx(1.7, abs=1e-12)
+    assert bench.fit_exponent(tokens, times, points=5) < 1.6
+    assert bench.fit_exponent(tokens, [None, None, 2.0, None, 0.0]) is None
+    assert bench.fit_exponent([10, 20], [1.0, 4.0], points=3) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    "points, expected",
+    [
+        ([(196, 2.0, 1.0), (1024, 1.5, 1.6), (4096, 2.0, 9.0)], 1024),
+        ([(196, 2.0, 1.0), (1024, 3.0, 2.0)], None),  # never beats timm
+        ([(196, 0.5, 1.0), (1024, 3.0, 2.0)], None),  # beats it at the small size only
+        ([(196, 0.5, 1.0), (1024, 3.0, 2.0), (4096, 5.0, 9.0)], 4096),
+        ([(196, 2.0, 1.0), (1024, 3.0, None)], 1024),  # timm out of memory, the type ran
+        ([(196, 2.0, 1.0), (1024, 0.9, 1.0), (4096, None, None)], 1024),  # neither ran: ignored
+        ([(196, 0.9, 1.0), (1024, None, 2.0)], None),  # the type ran out of memory
+        ([(1024, 1.0, 1.0)], None),  # a tie is not a win
+    ],
+)
+def test_crossover_tokens(points, expected):
+    assert bench.crossover_tokens(points) == expected
+    assert bench.crossover_tokens(list(reversed(points))) == expected
+
+
+# ---------------------------------------------------------------------------------------------------
+# attn="auto"
+
+
+def test_thresholds_from_timings_switch_halfway_between_sizes():
+    timings = {
+        196: {"softmax": 1.0, "linear": 2.0, "floor": 0.1},
+        1024: {"softmax": 3.0, "linear": 2.5, "floor": 0.2},
+        4096: {"softmax": 9.0, "linear": 4.0, "sparse": 3.0},
+        16384: {"softmax": 40.0, "linear": 9.0, "sparse": 8.0},
+    }
+    assert auto.thresholds_from_timings(timings) == [(0, "softmax"), (448, "linear"), (2048, "sparse")]
+    with pytest.raises(ValueError, match="floor is never chosen"):
+        auto.thresholds_from_timings({196: {"floor": 0.1}})
+
+
+def test_select_attention_defaults_without_calibration(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert auto.calibration_path() == tmp_path / "visattn" / "calibration.json"
+    first, last = auto.DEFAULT_THRESHOLDS[0], auto.DEFAULT_THRESHOLDS[-1]
+    with caplog.at_level(logging.INFO, logger="visattn.auto"):
+        assert auto.select_attention("visattn_vit_small_patch16", (16, 16)) == first[1]
+        assert auto.select_attention("visattn_vit_small_patch16", (4096, 4096)) == last[1]
+    assert "from built-in defaults" in caplog.text and "(65536 patch tokens)" in caplog.text
+    assert all(name in visattn.list_attentions() and name != "floor" for _, name in auto.DEFAULT_THRESHOLDS)
+    assert [t for t, _ in auto.DEFAULT_THRESHOLDS] == sorted({t for t, _ in auto.DEFAULT_THRESHOLDS}) and first[0] == 0
+
+
+def test_select_attention_uses_the_calibration(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    auto.save_calibration("visattn_vit_small_patch16", [(0, "axial"), (600, "neighborhood")], {"mode": "train"})
+    auto.save_calibration("visattn_vit_tiny_patch16", [(0, "linformer")], {"mode": "infer"})
+    with caplog.at_level(logging.INFO, logger="visattn.auto"):
+        assert auto.select_attention("visattn_vit_small_patch16", (224, 224)) == "axial"  # 196 tokens
+        assert auto.select_attention("visattn_vit_small_patch16", (512, 384)) == "neighborhood"  # 768 tokens
+    assert "'neighborhood' for visattn_vit_small_patch16 at 512x384 px (768 patch tokens), from calibration" in caplog.text
+    assert auto.select_attention("visattn_vit_tiny_patch16", (224, 224)) == "linformer"
+    assert auto.select_attention("visattn_vit_base_patch16", (224, 224)) == auto.DEFAULT_THRESHOLDS[0][1]
+
+
+def test_unusable_calibration_falls_back_to_defaults(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    auto.save_calibration("visattn_vit_small_patch16", [(0, "no_such_type")], {})
+    with caplog.at_level(logging.WARNING, logger="visattn.auto"):
+        assert auto.select_attention("visattn_vit_small_patch16", (224, 224)) == auto.DEFAULT_THRESHOLDS[0][1]
+    assert "unknown attention type(s) no_such_type" in caplog.text
+    auto.calibration_path().write_text("{not json")
+    assert auto.select_attention("visattn_vit_small_patch16", (224, 224)) == auto.DEFAULT_THRESHOLDS[0][1]
+
+
+def test_auto_model_builds_the_selected_type(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    auto.save_calibration("visattn_vit_small_patch16", [(0, "softmax"), (10, "axial")], {})
+    kwargs = dict(embed_dim=32, depth=1, num_heads=2, num_classes=10)
+    small = timm.create_model("visattn_vit_small_patch16", attn="auto", img_size=32, **kwargs)  # 4 tokens
+    large = timm.create_model("visattn_vit_small_patch16", attn="auto", img_size=64, **kwargs)  # 16 tokens
+    assert small.blocks[0].attn.name == "softmax" and large.blocks[0].attn.name == "axial"
+
+
+def test_patch_size_of_names():
+    assert auto.num_patch_tokens("visattn_vit_base_patch16", (224, 320)) == 14 * 20
+    assert auto.patch_size_of("vit_small_patch8_224") == (8, 8)
+    with pytest.raises(ValueError, match="cannot tell the patch size"):
+        auto.patch_size_of("resnet50")
