@@ -166,10 +166,13 @@ def test_worker_failures_are_reported_in_their_rows():
 
 
 def test_bad_arguments_exit_with_a_message(capsys):
-    for argv in (["--attn", "nope"], ["--sizes", "0"], ["--model-kwargs", "img_size=3"], ["--attn-kwargs", "[1]"]):
+    for argv in (["--attn", "nope"], ["--sizes", "0"], ["--model-kwargs", "img_size=3"], ["--attn-kwargs", "[1]"],
+                 ["--sizes", "32", "--train-sizes", "64"]):
         with pytest.raises(SystemExit):
             bench.main(argv + ["--device", "cpu"])
-    assert "unknown attention(s) nope" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown attention(s) nope" in err
+    assert "--train-sizes must be among --sizes" in err
 
 
 # ---------------------------------------------------------------------------------------------------

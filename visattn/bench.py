@@ -486,6 +486,8 @@ def plan_model_sweep(args: argparse.Namespace) -> list[list[Result]]:
     for size in args.sizes:
         group = []
         for mode in args.modes:
+            if mode == "train" and args.train_sizes is not None and size not in args.train_sizes:
+                continue
             for attn in rows:
                 case = Case(
                     kind="model", attn=attn, mode=mode, size=size, batch_size=args.batch_size, device=args.device,
@@ -889,6 +891,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-kwargs", type=_attn_kwargs, default={}, help='type options as JSON, e.g. \'{"linformer": {"k": 64}}\'')
     p.add_argument("--model-kwargs", type=_key_value, nargs="*", default=[], metavar="KEY=VALUE", help="passed to both models, e.g. depth=6")
     p.add_argument("--sizes", type=_size, nargs="+", default=[_size(s) for s in DEFAULT_SIZES], help="image sizes: N or HxW")
+    p.add_argument(
+        "--train-sizes", type=_size, nargs="+", default=None,
+        help="image sizes of the train mode, if not all of --sizes (a 2048^2 softmax training step takes minutes)",
+    )
     p.add_argument("--grids", type=_size, nargs="+", default=[_size(s) for s in DEFAULT_GRIDS], help="token grids of --ops")
     p.add_argument("--heads", type=int, default=6, help="heads of --ops")
     p.add_argument("--head-dim", type=int, default=64, help="head width of --ops")
@@ -941,6 +947,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.capacity_bytes = int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if args.max_memory is not None and args.max_memory <= 0:
         parser.error("--max-memory must be > 0")
+    if args.train_sizes is not None and not set(args.train_sizes) <= set(args.sizes):
+        parser.error(f"--train-sizes must be among --sizes {args.sizes}, got {args.train_sizes}")
     args.max_memory_bytes = args.capacity_bytes if args.max_memory is None else int(args.max_memory * 2**30)
     if not args.ops:
         try:
