@@ -1,0 +1,390 @@
+"""train.py end to end: a tiny run and its files, resume after SIGKILL, two processes vs one, and the
+errors that must stop a run before it writes anything."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+import yaml
+from accelerate.utils import load as accelerate_load
+from safetensors.torch import load_file
+
+import visattn
+from tests.helpers import rms_rel_err
+from visattn.checkpoint import load_trained_model
+from visattn.data import TransformedDataset, build_transform, load_splits
+from visattn.train_config import ConfigError, TrainConfig, make_config, parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "train.py"
+sys.path.insert(0, str(REPO))
+import train  # noqa: E402  (the script at the repository root)
+
+# 96 train / 50 eval digits at 16x16, patch 4 (4x4 grid): 6 steps of 16 per epoch.
+TINY = [
+    "--max-train-samples", "96", "--max-eval-samples", "50", "--img-size", "16", "--patch-size", "4",
+    "--embed-dim", "16", "--depth", "2", "--num-heads", "2", "--batch-size", "16", "--epochs", "2",
+    "--warmup-epochs", "1", "--attn", "axial",
+]
+# One thread per process: steadier on a shared CPU, and what two processes on two cores would use.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def run_train(*args: str, launcher: list[str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = (launcher or [sys.executable]) + [str(TRAIN), *args]
+    return subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def start_train(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(TRAIN), *args], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder`` with its size and modification time."""
+    return {
+        str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in sorted(folder.rglob("*")) if path.is_file()
+    }
+
+
+def weights_of(run_dir: Path, which: str = "last") -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / f"model_{which}.safetensors"))
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: float) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        err = rms_rel_err(actual[key], expected[key])
+        assert err <= tol, f"{key}: RMS-relative difference {err:.3g} > {tol:.1g}"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path_factory.mktemp("tiny") / "run"
+    result = run_train(*TINY, "--run-dir", str(run_dir), "--save-every", "4", "--keep-checkpoints", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result
+
+
+# -- a run and what it leaves behind ---------------------------------------------------------------
+def test_tiny_run_writes_config_metrics_plot_and_checkpoints(tiny_run):
+    run_dir, result = tiny_run
+    assert "test accuracy:" in result.stdout
+    assert "epoch 2/2" in result.stderr  # the progress bar
+
+    saved = TrainConfig(**yaml.safe_load((run_dir / "config.yaml").read_text()))
+    assert (saved.attn, saved.epochs, saved.embed_dim, saved.run_dir) == ("axial", 2, 16, str(run_dir))
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]
+    for record in records:
+        assert record["eval_samples"] == 50 and record["train_images"] == 96
+        assert record["images_per_s"] > 0 and record["peak_mem_mib"] > 0 and record["lr"] > 0
+        assert 0 <= record["eval_acc"] <= 1 and record["train_loss"] > 0
+    assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["test_acc"] == records[-1]["eval_acc"]
+    assert summary["best_acc"] == max(r["eval_acc"] for r in records)
+
+    # updates 4 (mid-epoch 1), 6 (end of 1), 8 (mid-epoch 2), 12 (end of 2); the last two are kept
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000008", "step_00000012"]
+    last = run_dir / "checkpoints" / "step_00000012"
+    for name in ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "trainer_state.json"):
+        assert (last / name).is_file(), name
+    state = json.loads((last / "trainer_state.json").read_text())
+    assert (state["epoch"], state["batch"], state["update"]) == (2, 0, 12)
+    # What resuming reads back needs no unpickling of arbitrary objects: torch's weights_only loader
+    # (accelerate adds the NumPy array types of the RNG state and nothing else).
+    assert "state" in torch.load(last / "optimizer.bin", weights_only=True)
+    assert "torch_manual_seed" in accelerate_load(last / "random_states_0.pkl")
+    mid = json.loads((run_dir / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
+    assert (mid["epoch"], mid["batch"]) == (1, 2)
+
+
+def test_saved_weights_load_with_timm_and_reproduce_the_test_accuracy(tiny_run):
+    run_dir, _ = tiny_run
+    info = json.loads((run_dir / "model.json").read_text())
+    weights = run_dir / "model_last.safetensors"
+    model = timm.create_model(
+        info["model"], pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(weights), num_classes=info["kwargs"]["num_classes"]), **info["kwargs"],
+    )
+    expected = load_file(str(weights))
+    assert_same_weights(model.state_dict(), expected, tol=0.0)
+
+    model = load_trained_model(run_dir, "last")
+    config = TrainConfig(**yaml.safe_load((run_dir / "config.yaml").read_text()))
+    splits = load_splits(config)
+    dataset = TransformedDataset(splits.eval, build_transform(config, splits, training=False), seed=None)
+    images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    labels = torch.tensor([dataset[i][1] for i in range(len(dataset))])
+    with torch.no_grad():
+        accuracy = (model(images).argmax(-1) == labels).float().mean().item()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert accuracy == pytest.approx(summary["test_acc"], abs=1e-6)
+
+
+# -- resume ----------------------------------------------------------------------------------------
+def test_resume_after_sigkill_mid_epoch_matches_uninterrupted_run(tmp_path):
+    # Everything random stays on: RandAugment, random crops, mixup, drop path; gradient accumulation too.
+    recipe = [
+        *TINY, "--epochs", "3", "--grad-accum-steps", "2", "--save-every", "2", "--auto-augment",
+        "rand-m9-mstd0.5-inc1-mmax9", "--mixup", "0.8", "--cutmix", "1.0", "--drop-path-rate", "0.2",
+    ]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    uninterrupted = start_train(*recipe, "--run-dir", str(whole))
+    victim = start_train(*recipe, "--run-dir", str(killed))
+    first = killed / "checkpoints" / "step_00000002"  # update 2 = batch 4 of 6 in epoch 1
+    deadline = time.monotonic() + 240
+    while not first.exists() and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    victim.send_signal(signal.SIGKILL)
+    victim_log = victim.communicate()[0]
+    assert victim.returncode == -signal.SIGKILL, f"the run ended before it could be killed:\n{victim_log[-2000:]}"
+    assert uninterrupted.wait(timeout=300) == 0, uninterrupted.communicate()[0][-3000:]
+
+    latest = sorted((killed / "checkpoints").glob("step_*"))[-1]
+    position = json.loads((latest / "trainer_state.json").read_text())
+    assert position["batch"] > 0, "the kill should leave a mid-epoch checkpoint to resume from"
+
+    resumed = run_train(*recipe, "--run-dir", str(killed), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {latest}" in resumed.stdout
+    assert_same_weights(weights_of(killed), weights_of(whole), tol=1e-6)
+    assert_same_weights(weights_of(killed, "best"), weights_of(whole, "best"), tol=1e-6)
+    killed_metrics = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    whole_metrics = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in killed_metrics] == [1, 2, 3]
+    for a, b in zip(killed_metrics, whole_metrics):
+        assert a["eval_acc"] == b["eval_acc"] and a["train_images"] == b["train_images"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+
+
+def test_resume_of_a_finished_run_changes_no_weights(tiny_run):
+    run_dir, _ = tiny_run
+    before = weights_of(run_dir)
+    result = run_train(*TINY, "--run-dir", str(run_dir), "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_weights(weights_of(run_dir), before, tol=0.0)
+
+
+# -- two processes -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+    # No random augmentation, dropout or mixup; the seeded sampler gives both the same data order.
+    recipe = [*TINY, "--no-augment", "--drop-path-rate", "0", "--label-smoothing", "0.1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    launcher = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(_free_port()),
+    ]
+    single = start_train(*recipe, "--batch-size", "16", "--run-dir", str(one))
+    double = run_train(*recipe, "--batch-size", "8", "--run-dir", str(two), launcher=launcher)
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert single.wait(timeout=300) == 0, single.communicate()[0][-3000:]
+
+    assert json.loads((two / "summary.json").read_text())["num_processes"] == 2
+    assert {p.name for p in (two / "checkpoints" / "step_00000012").glob("random_states_*")} == {
+        "random_states_0.pkl", "random_states_1.pkl"
+    }
+    assert_same_weights(weights_of(two), weights_of(one), tol=1e-5)
+    for a, b in zip(*[[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (two, one)]):
+        assert a["eval_samples"] == b["eval_samples"] == 50  # gather_for_metrics drops the padding
+        assert a["train_images"] == b["train_images"] == 96
+        assert a["eval_acc"] == b["eval_acc"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+
+
+# -- errors that write nothing -----------------------------------------------------------------
+@pytest.fixture
+def bad_yaml(tmp_path: Path):
+    def write(text: str) -> str:
+        path = tmp_path / "recipe.yaml"
+        path.write_text(text)
+        return str(path)
+
+    return write
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        pytest.param(["--config", "{yaml}:lrr: 0.1\n"], "unknown config key 'lrr' (did you mean 'lr'?)", id="yaml-unknown-key"),
+        pytest.param(["--config", "{yaml}:epochs: two\n"], "epochs: expected int, got str 'two'", id="yaml-wrong-type"),
+        pytest.param(["--attn", "axial,softmax,axial"], "attn: 3 names given for depth=2", id="flag-attn-list-length"),
+        pytest.param(["--epochs", "2.5"], "--epochs: expected int, got '2.5'", id="flag-wrong-type"),
+        pytest.param(["--attn", "nope"], "attn: unknown attention 'nope'; valid:", id="flag-unknown-attention"),
+        pytest.param(["--attn-kwargs", "bogus=1"], "unknown option(s) bogus", id="flag-unknown-attention-option"),
+        pytest.param(["--auto-augment", "rand-m9-mstd0.5-inc1"], "can posterize to 0 bits", id="augment-policy-pillow-rejects"),
+        pytest.param(["--img-size", "18"], "must be a positive multiple of patch_size=4", id="flag-img-size-not-multiple"),
+        pytest.param(["--dataset", "cifar10", "--data-dir", "{empty}"], "Pass --download to fetch it", id="cifar10-missing"),
+        pytest.param(["--dataset", "cifar100", "--data-dir", "{empty}"], "CIFAR-100 was not found", id="cifar100-missing"),
+        pytest.param(["--dataset", "cifar10", "--data-dir", "{corrupt}"], "incomplete or corrupted", id="cifar10-corrupted"),
+        pytest.param(["--dataset", "imagefolder", "--data-dir", "{empty}/nowhere"], "does not exist", id="imagefolder-missing"),
+        pytest.param(["--dataset", "imagefolder"], "needs --data-dir", id="imagefolder-without-dir"),
+        pytest.param(["--resume"], "nothing to resume", id="resume-without-run"),
+    ],
+)
+def test_bad_input_is_one_clear_message_and_writes_nothing(args, expected, tmp_path, bad_yaml, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    corrupt = tmp_path / "corrupt"
+    (corrupt / "cifar-10-batches-py").mkdir(parents=True)
+    (corrupt / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"not a batch")
+    args = [
+        bad_yaml(arg.split(":", 1)[1]) if arg.startswith("{yaml}:")
+        else arg.replace("{empty}", str(empty)).replace("{corrupt}", str(corrupt))
+        for arg in args
+    ]
+    run_dir = tmp_path / "run"
+    assert train.main([*TINY, *args, "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.startswith("error: ") and "Traceback" not in err
+    assert not run_dir.exists()
+    assert not any(empty.iterdir())
+    assert [p.name for p in corrupt.rglob("*")] == ["cifar-10-batches-py", "data_batch_1"]
+
+
+def test_bad_input_on_the_command_line_gives_no_traceback(tmp_path):
+    result = run_train(*TINY, "--dataset", "cifar10", "--data-dir", str(tmp_path), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "--download" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        pytest.param([], "holds a previous run (last checkpoint step_00000012). Pass --resume", id="restart-refused"),
+        pytest.param(["--overwrite", "--config", "{yaml}"], "unknown config key 'lrr'", id="overwrite-bad-key"),
+        pytest.param(["--overwrite", "--epochs", "many"], "--epochs: expected int", id="overwrite-bad-type"),
+        pytest.param(["--overwrite", "--dataset", "cifar10", "--data-dir", "{tmp}"], "CIFAR-10 was not found", id="overwrite-missing-data"),
+        pytest.param(["--overwrite", "--attn-kwargs", "bogus=1"], "unknown option(s) bogus", id="overwrite-bad-model"),
+        pytest.param(["--overwrite", "--batch-size", "512"], "no full batch to train on", id="overwrite-batch-too-big"),
+        pytest.param(["--resume", "--lr", "fast"], "--lr: expected float", id="resume-bad-type"),
+        pytest.param(["--resume", "--overwrite"], "exclude each other", id="resume-and-overwrite"),
+    ],
+)
+def test_previous_run_survives_bad_input_and_refused_restarts(args, expected, tiny_run, tmp_path, capsys):
+    run_dir, _ = tiny_run
+    before = snapshot(run_dir)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("lrr: 0.1\n")
+    args = [str(recipe) if arg == "{yaml}" else arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    assert train.main([*TINY, "--run-dir", str(run_dir), *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert snapshot(run_dir) == before
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    folder = tmp_path / "precious"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    assert train.main([*TINY, "--run-dir", str(folder), "--overwrite"]) == 2
+    assert "holds no visattn run" in capsys.readouterr().err
+    assert (folder / "notes.txt").read_text() == "keep me"
+
+
+# -- data --------------------------------------------------------------------------------------
+def _image_folder(root: Path, layout: str) -> Path:
+    """Three classes of random images of assorted sizes, split into train/ and val/ or not."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(("cats", "dogs", "owls")):
+        for i in range(10):
+            folder = root / ("train" if i < 7 else "val") / name if layout == "split" else root / name
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 255, (20 + i, 30 - c, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+@pytest.mark.parametrize("layout, train_size, eval_size", [("split", 21, 9), ("flat", 24, 6)])
+def test_image_folder_at_a_non_square_size(layout, train_size, eval_size, tmp_path):
+    config = make_config({"dataset": "imagefolder", "data_dir": str(_image_folder(tmp_path, layout)),
+                          "img_size": [16, 24], "patch_size": 4, "eval_fraction": 0.2})
+    splits = load_splits(config)
+    assert (len(splits.train), len(splits.eval), splits.num_classes) == (train_size, eval_size, 3)
+    for training, part in ((True, splits.train), (False, splits.eval)):
+        image, label = TransformedDataset(part, build_transform(config, splits, training), seed=0)[0]
+        assert image.shape == (3, 16, 24) and 0 <= label < 3
+
+
+def test_digits_split_is_fixed_and_stratified():
+    splits = load_splits(TrainConfig())
+    assert (len(splits.train), len(splits.eval), splits.num_classes) == (1437, 360, 10)
+    eval_labels = [splits.eval[i][1] for i in range(len(splits.eval))]
+    assert sorted(set(eval_labels)) == list(range(10)) and min(np.bincount(eval_labels)) >= 35
+    again = load_splits(TrainConfig())
+    assert np.array_equal(np.asarray(splits.eval[0][0]), np.asarray(again.eval[0][0]))
+
+
+def test_augmentation_is_fixed_by_seed_epoch_and_index_and_leaves_the_process_rng_alone():
+    config = make_config({"auto_augment": "rand-m9-mstd0.5-inc1-mmax9", "re_prob": 0.5})
+    splits = load_splits(config)
+    dataset = TransformedDataset(splits.train, build_transform(config, splits, training=True), seed=3)
+    torch.manual_seed(0)
+    expected_draws = torch.rand(4)
+    torch.manual_seed(0)
+    first = dataset[5][0]
+    assert torch.equal(torch.rand(4), expected_draws)
+    assert torch.equal(dataset[5][0], first)
+    dataset.set_epoch(1)
+    assert not torch.equal(dataset[5][0], first)
+    other_seed = TransformedDataset(splits.train, build_transform(config, splits, training=True), seed=4)
+    assert not torch.equal(other_seed[5][0], first)
+
+
+# -- configuration -----------------------------------------------------------------------------
+def test_flags_override_the_config_file_which_overrides_the_defaults(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("lr: 1e-3\nepochs: 7\nattn_kwargs: {kernel_size: 5}\n")
+    from_file, from_flags, options = parse_args(["--config", str(recipe), "--epochs", "9", "--attn", "axial,softmax"])
+    config = make_config(from_file, from_flags, {"depth": 2})
+    assert (config.lr, config.epochs, config.attn, config.attn_kwargs) == (1e-3, 9, ["axial", "softmax"], {"kernel_size": 5})
+    assert config.batch_size == TrainConfig().batch_size
+    assert options.config_file == str(recipe)
+
+
+def test_every_shipped_recipe_is_a_valid_config():
+    recipes = sorted((REPO / "configs").glob("*.yaml"))
+    assert recipes, "configs/*.yaml"
+    for recipe in recipes:
+        from_file, _, _ = parse_args(["--config", str(recipe)])
+        make_config(from_file)
+
+
+def test_the_digits_recipe_is_the_default():
+    from_file, _, _ = parse_args(["--config", str(REPO / "configs" / "digits.yaml")])
+    assert make_config(from_file) == TrainConfig()
+
+
+def test_config_rejects_unknown_keys_and_wrong_types_by_name():
+    with pytest.raises(ConfigError, match="unknown config key 'embed_dims'"):
+        make_config({"embed_dims": 64})
+    with pytest.raises(ConfigError, match="clip_grad: expected float or none, got str"):
+        make_config({"clip_grad": "1.0"})
+    with pytest.raises(ConfigError, match="augment: expected bool, got int"):
+        make_config({"augment": 1})
+    assert set(visattn.list_attentions()) >= {"softmax", "axial"}
