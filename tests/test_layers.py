@@ -69,10 +69,10 @@ def test_softmax_layer_reproduces_timm_attention_exactly(qk_norm):
     assert torch.equal(layer(x, is_causal=True), reference(x, is_causal=True))
 
 
-GRID_CASES = [(n, {}) for n in NAMES if _layer(n).needs_grid] + [("linear", {"dwconv_kernel": 3})]
+GRID_CASES = [(n, {}) for n in NAMES if _layer(n).needs_grid] + [("linear", {"dwconv_kernel": 5})]
 
 
-@pytest.mark.parametrize("name, options", GRID_CASES, ids=[f"{n}{'-dwconv' if o else ''}" for n, o in GRID_CASES])
+@pytest.mark.parametrize("name, options", GRID_CASES, ids=[f"{n}{'-dwconv5' if o else ''}" for n, o in GRID_CASES])
 def test_grid_mismatch_raises(name, options):
     layer = _layer(name, **options)
     layer.set_grid((4, 4), 1)
@@ -116,7 +116,8 @@ def test_linear_dwconv_locality_uses_the_grid():
     layer = _layer("linear", dwconv_kernel=3)
     layer.set_grid((4, 5), 1)
     x = _input((4, 5), 1)
-    plain = _layer("linear")
+    plain = _layer("linear", dwconv_kernel=None)
+    assert not plain.needs_grid
     plain.load_state_dict(layer.state_dict(), strict=False)
     with torch.no_grad():
         layer.dwconv.weight.zero_()
@@ -129,7 +130,7 @@ def test_linear_dwconv_locality_uses_the_grid():
 
 
 def test_linear_causal_layer_matches_reference():
-    layer = _layer("linear")
+    layer = _layer("linear", dwconv_kernel=None)
     x = _input((3, 4), 1)
     B, N, _ = x.shape
     q, k, v = layer.qkv(x).reshape(B, N, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4).unbind(0)

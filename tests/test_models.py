@@ -27,9 +27,9 @@ TIMM_TWINS = {
     "visattn_vit_base_patch16": "vit_base_patch16_224",
 }
 
-# Every registered type with its default options, plus linear with its grid-aware locality term.
+# Every registered type with its default options, plus linear without its grid-aware locality term.
 ATTN_CASES = [pytest.param(name, {}, id=name) for name in visattn.list_attentions()] + [
-    pytest.param("linear", {"dwconv_kernel": 3}, id="linear-dwconv3")
+    pytest.param("linear", {"dwconv_kernel": None}, id="linear-nodwconv")
 ]
 
 # Grid 8x10 (non-square) at build time; 7x9 for the changed size. Class token plus one register token.

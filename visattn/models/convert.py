@@ -25,9 +25,9 @@ latest forward, so run the backward of a forward before a forward at another ima
 
 timm's ``attn_layer=`` argument
 -------------------------------
-``timm.create_model("vit_small_patch16_224", attn_layer=visattn.get_attention("linear"))`` builds a
-working model for the layers that do not need the grid (``needs_grid`` False: ``softmax``, ``floor``,
-``linear`` with its default options), because those layers honour timm's ``attn_layer`` constructor
+``timm.create_model("vit_small_patch16_224", attn_layer=visattn.get_attention("softmax"))`` builds a
+working model for the layers that do not need the grid (``needs_grid`` False: ``softmax`` and ``floor``;
+``linear`` needs it for its default locality term), because those layers honour timm's ``attn_layer`` constructor
 and forward contract. It cannot carry a layer that needs the grid: timm's ``Block`` only passes
 ``(x, attn_mask, is_causal)`` to the attention, so nothing tells the layer (H, W) and it raises on its
 first forward. It cannot carry type options either (timm calls ``issubclass`` on ``attn_layer``, which
