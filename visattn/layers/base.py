@@ -108,16 +108,23 @@ class GridAttention(nn.Module, ABC):
             raise ValueError(
                 f"{self.name}: is_causal=True is not supported; causal attention is offered by 'softmax' and 'linear'"
             )
+        grid = self._checked_grid(x.shape[1])
+        x = self.project_and_mix(x, grid, attn_mask, is_causal)
+        x = self.norm(x)
+        x = self.proj(x)
+        return self.proj_drop(x)
+
+    def project_and_mix(
+        self, x: torch.Tensor, grid: tuple[int, int] | None, attn_mask: torch.Tensor | None, is_causal: bool
+    ) -> torch.Tensor:
+        """The qkv projection, then :meth:`mix`: (B, N, C) -> (B, N, C) with the heads merged. A layer
+        whose mixing commutes with part of the projection overrides this to fuse the two."""
         B, N, C = x.shape
-        grid = self._checked_grid(N)
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, heads, N, d)
         q, k = self.q_norm(q), self.k_norm(k)
         x = self.mix(q, k, v, grid=grid, attn_mask=attn_mask, is_causal=is_causal)  # (B, heads, N, d)
-        x = x.transpose(1, 2).reshape(B, N, C)
-        x = self.norm(x)
-        x = self.proj(x)
-        return self.proj_drop(x)
+        return x.transpose(1, 2).reshape(B, N, C)
 
     @abstractmethod
     def mix(

@@ -83,6 +83,8 @@ class LongformerAttention(GridAttention):
             q, k, v, grid, g, local=self.local, kernel_size=self.kernel_size, block_size=self.block_size,
             halo=self.halo, tile_size=self.tile_size, dropout_p=self.dropout_p,
         )  # (B, heads, G + H*W, d)
+        if g == p:
+            return out
         return torch.cat([out[:, :, :p], out[:, :, g:]], dim=2)
 
     def extra_repr(self) -> str:

@@ -1,15 +1,12 @@
 """2D neighbourhood attention layer (NATTEN semantics): each patch sees its k x k grid neighbours."""
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn as nn
 
-from visattn import ops
 from visattn.layers.base import GridAttention
 from visattn.ops._checks import check_positive_int
-from visattn.ops.local import local_with_prefix
+from visattn.ops.local import neighborhood_axis, tiled_local_attention
 
 
 class NeighborhoodAttention(GridAttention):
@@ -51,10 +48,11 @@ class NeighborhoodAttention(GridAttention):
         self.tile_size = tile_size
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
-        local_op = partial(
-            ops.neighborhood, kernel_size=self.kernel_size, tile_size=self.tile_size, dropout_p=self.dropout_p
+        rows = neighborhood_axis(grid[0], self.kernel_size, self.tile_size, q.device)
+        cols = neighborhood_axis(grid[1], self.kernel_size, self.tile_size, q.device)
+        return tiled_local_attention(
+            q, k, v, rows, cols, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p
         )
-        return local_with_prefix(q, k, v, grid, self.num_prefix_tokens, local_op, dropout_p=self.dropout_p)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", kernel_size={self.kernel_size}, tile_size={self.tile_size}"

@@ -1,15 +1,12 @@
 """2D blocked local attention layer with a halo (HaloNet): b x b query blocks see the block plus a halo."""
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn as nn
 
-from visattn import ops
 from visattn.layers.base import GridAttention
 from visattn.ops._checks import check_positive_int
-from visattn.ops.local import check_nonnegative_int, local_with_prefix
+from visattn.ops.local import blocked_axis, check_nonnegative_int, tiled_local_attention
 
 
 class SparseAttention(GridAttention):
@@ -50,8 +47,11 @@ class SparseAttention(GridAttention):
         self.halo = halo
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
-        local_op = partial(ops.sparse, block_size=self.block_size, halo=self.halo, dropout_p=self.dropout_p)
-        return local_with_prefix(q, k, v, grid, self.num_prefix_tokens, local_op, dropout_p=self.dropout_p)
+        rows = blocked_axis(grid[0], self.block_size, self.halo, q.device)
+        cols = blocked_axis(grid[1], self.block_size, self.halo, q.device)
+        return tiled_local_attention(
+            q, k, v, rows, cols, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p
+        )
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", block_size={self.block_size}, halo={self.halo}"

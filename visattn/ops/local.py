@@ -1,11 +1,18 @@
 """The tiled engine shared by the 2D local attention ops (neighborhood, sparse, longformer).
 
 Queries are cut into tiles of ``t x t`` grid cells. The windows of all queries in a tile lie inside one
-rectangular region of keys (``R_h x R_w`` cells), so each tile gathers its region once, a per-axis boolean
-mask trims the region to each query's own window, and a single batched
-``scaled_dot_product_attention`` runs over all tiles. Per head this costs ``N R^2`` scores and an
-``O(N R^2)`` boolean mask shared by batch and heads; keys are gathered once per tile
-(``N R^2 / t^2`` rows of ``d``), never once per query (the ``N k^2 d`` of an unfold) and never ``N x N``.
+rectangular region of keys (``R_h x R_w`` cells), so each tile gathers its region once, an additive mask
+(0 or -inf, cached per layout and shared by batch and heads) trims the region to each query's own
+window, and PyTorch's fused ``scaled_dot_product_attention`` runs over the tiles (a 4D float mask keeps
+it on the fused kernel; a bool or 3D mask would send it to the explicit-scores path). Per head this
+costs ``N R^2`` scores, never materialised; keys are gathered once per tile (``N R^2 / t^2`` rows of
+``d``), never once per query (the ``N k^2 d`` of an unfold) and never ``N x N``.
+
+The gathers read the token-major layout (B, N, heads * d) that the qkv projection produces, so a tile's
+keys of all heads are copied as whole rows, and the output comes back token-major, so the layer merges
+the heads with a view. Without autograd the tiles run a chunk at a time through
+:func:`visattn.ops._chunked.attend_in_chunks` (the gathered regions stay in cache); with autograd all
+tiles are gathered at once and the fused kernel's own backward pass applies.
 
 Each op only describes its windows per axis, as an :class:`AxisPlan`; the engine is the same.
 """
@@ -13,20 +20,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
+
+from visattn.ops._chunked import Sequences, attend_in_chunks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AxisPlan:
     """How one grid axis of ``length`` cells is tiled.
 
     Query ``i`` (padded positions past the end included) sees keys ``[window_lo[i], window_hi[i])``; the
     queries ``[j * tile, (j + 1) * tile)`` of tile ``j`` read the keys
-    ``[region_start[j], region_start[j] + region)``, which contain all their windows.
+    ``[region_start[j], region_start[j] + region)``, which contain all their windows. Plans are cached
+    and compared by identity.
     """
 
     length: int
@@ -35,6 +44,7 @@ class AxisPlan:
     region_start: torch.Tensor  # (num_tiles,) long
     window_lo: torch.Tensor  # (num_tiles * tile,) long
     window_hi: torch.Tensor  # (num_tiles * tile,) long
+    self_only: bool  # every query's window is the query itself
 
     @property
     def num_tiles(self) -> int:
@@ -52,6 +62,7 @@ class AxisPlan:
         return (lo <= keys) & (keys < hi)
 
 
+@lru_cache(maxsize=64)
 def neighborhood_axis(length: int, kernel_size: int, tile: int, device: torch.device) -> AxisPlan:
     """NATTEN windows: query i sees ``[s, s + k)`` with ``s = clamp(i - k // 2, 0, length - k)``, i.e. the
     window is shifted inward at the borders so every query sees exactly k keys. A kernel wider than the
@@ -64,9 +75,10 @@ def neighborhood_axis(length: int, kernel_size: int, tile: int, device: torch.de
     lo = (queries - k // 2).clamp(0, length - k)
     # The first query's window starts the region; the last one's ends at most tile - 1 + k cells later.
     start = (torch.arange(num_tiles, device=device) * tile - k // 2).clamp(0, length - region)
-    return AxisPlan(length, tile, region, start, lo, lo + k)
+    return AxisPlan(length, tile, region, start, lo, lo + k, self_only=k == 1)
 
 
+@lru_cache(maxsize=64)
 def blocked_axis(length: int, block_size: int, halo: int, device: torch.device) -> AxisPlan:
     """HaloNet windows: the queries of block ``[s, s + b)`` see ``[s - halo, s + b + halo)`` cut to the
     axis; the last block may be partial. One tile is one block."""
@@ -77,7 +89,48 @@ def blocked_axis(length: int, block_size: int, halo: int, device: torch.device) 
     lo = (block_start - halo).clamp_min(0)
     hi = (block_start + block + halo).clamp_max(length)
     start = (torch.arange(num_tiles, device=device) * block - halo).clamp(0, length - region)
-    return AxisPlan(length, block, region, start, lo, hi)
+    return AxisPlan(length, block, region, start, lo, hi, self_only=block == 1 and (halo == 0 or length == 1))
+
+
+@dataclass(frozen=True, eq=False)
+class _TileLayout:
+    """The tiles as short attention sequences over the tokens (prefix tokens first, then the patches in
+    raster order): query slot j of tile i reads token ``seqs.q_index[i, j]``, key slot s reads token
+    ``seqs.kv_index[i, s]`` (the visible prefix tokens first, then the region), and ``seqs.bias`` trims
+    the region to each query's window. Padding slots past the grid edge take the edge query: its window
+    is the edge query's (see the plans), so the slot stays a valid softmax row; its output is dropped."""
+
+    seqs: Sequences
+    out_index: torch.Tensor  # (H * W,) flat query slot of each patch, raster order
+    self_only: bool  # every patch sees only itself: its softmax weight is 1, its output its own value
+
+
+@lru_cache(maxsize=32)
+def _tile_layout(
+    rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_visible: bool, dtype: torch.dtype
+) -> _TileLayout:
+    device = rows.region_start.device
+    H, W, p = rows.length, cols.length, num_prefix_tokens
+    th, tw, bh, bw = rows.num_tiles, cols.num_tiles, rows.tile, cols.tile
+    num_tiles, queries = th * tw, bh * bw
+    q_rows = torch.arange(th * bh, device=device).clamp_max(H - 1).view(th, 1, bh, 1)
+    q_cols = torch.arange(tw * bw, device=device).clamp_max(W - 1).view(1, tw, 1, bw)
+    q_index = (p + q_rows * W + q_cols).reshape(num_tiles, queries)  # (th, tw, bh, bw) -> (T, L)
+    k_rows = rows.key_index().view(th, 1, rows.region, 1)
+    k_cols = cols.key_index().view(1, tw, 1, cols.region)
+    kv_index = (p + k_rows * W + k_cols).reshape(num_tiles, -1)  # (T, R_h * R_w)
+    allowed = rows.mask()[:, None, :, None, :, None] & cols.mask()[None, :, None, :, None, :]
+    allowed = allowed.reshape(num_tiles, queries, -1)  # (th, tw, bh, bw, R_h, R_w) -> (T, L, R_h * R_w)
+    if prefix_visible and p:
+        kv_index = torch.cat([torch.arange(p, device=device).expand(num_tiles, p), kv_index], dim=1)
+        allowed = torch.cat([allowed.new_ones(num_tiles, queries, p), allowed], dim=2)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    y, x = torch.arange(H, device=device)[:, None], torch.arange(W, device=device)[None, :]
+    out_index = ((y // bh * tw + x // bw) * queries + y % bh * bw + x % bw).flatten()
+    dest = torch.full((num_tiles * queries,), -1, dtype=torch.long, device=device)
+    dest[out_index] = p + torch.arange(H * W, device=device)
+    seqs = Sequences(q_index, kv_index, dest.view(num_tiles, queries), bias.unsqueeze(1))
+    return _TileLayout(seqs, out_index, not (prefix_visible and p) and rows.self_only and cols.self_only)
 
 
 def tiled_local_attention(
@@ -86,78 +139,75 @@ def tiled_local_attention(
     v: torch.Tensor,
     rows: AxisPlan,
     cols: AxisPlan,
-    global_k: torch.Tensor | None = None,
-    global_v: torch.Tensor | None = None,
+    num_prefix_tokens: int = 0,
+    prefix_visible: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Each query attends to its window (rows x cols) plus every global key, in one softmax.
+    """Each patch query attends to its window (rows x cols), plus every prefix key if ``prefix_visible``,
+    in one softmax; each prefix query attends to all N tokens.
 
     Args:
-        q, k, v: (B, heads, H, W, d) with H = rows.length, W = cols.length.
+        q, k, v: (B, heads, N, d), N = num_prefix_tokens + H * W with H = rows.length, W = cols.length,
+            prefix tokens first, patches in raster order.
         rows, cols: the window plan of each axis.
-        global_k, global_v: optional (B, heads, G, d) keys/values every query sees besides its window.
+        num_prefix_tokens: P, the tokens before the patches.
+        prefix_visible: whether patch queries see the prefix keys (Longformer's global tokens) or not.
     Returns:
-        (B, heads, H, W, d_v)
+        (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor.
     """
-    B, heads, H, W, _ = q.shape
-    th, tw, bh, bw = rows.num_tiles, cols.num_tiles, rows.tile, cols.tile
-    # Padded queries get valid windows from the plan; their outputs are cut off at the end.
-    q = F.pad(q, (0, 0, 0, tw * bw - W, 0, th * bh - H))
-    q_tiles = rearrange(q, "b n (th bh) (tw bw) d -> (b n) (th tw) (bh bw) d", bh=bh, bw=bw)
-    row_index = rows.key_index()[:, :, None, None]  # (th, R_h, 1, 1)
-    col_index = cols.key_index()[None, None, :, :]  # (1, 1, tw, R_w)
+    B, heads, N, _ = q.shape
+    p = num_prefix_tokens
+    layout = _tile_layout(rows, cols, p, prefix_visible, q.dtype)
+    needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    # inference runs chunk by chunk; a compiled graph gets the plain formulation, which the compiler fuses
+    if not (layout.self_only or needs_graph or dropout_p or torch.compiler.is_compiling()):
+        tokens = (t.transpose(1, 2).reshape(B * N, -1) for t in (q, k, v))  # views of a qkv projection
+        out = attend_in_chunks(*tokens, layout.seqs, B, heads, scale).view(B, N, heads, -1)
+        if p:
+            out[:, :p] = F.scaled_dot_product_attention(q[:, :, :p], k, v, scale=scale).transpose(1, 2)
+        return out.transpose(1, 2)
 
-    def regions(t: torch.Tensor) -> torch.Tensor:  # (B, heads, H, W, d) -> (B * heads, tiles, R_h * R_w, d)
-        return rearrange(t[:, :, row_index, col_index], "b n th rh tw rw d -> (b n) (th tw) (rh rw) d")
+    if layout.self_only:
+        # softmax over the one key, the query's own: weight exp(s - s) = 1 and gradient 0, both exactly
+        # (the fused kernel's backward would leave rounding noise where the gradient is exactly zero)
+        scores = (q[:, :, p:] * k[:, :, p:]).sum(dim=-1, keepdim=True)
+        out = (v[:, :, p:] * (scores - scores).exp()).transpose(1, 2)  # (B, H * W, heads, d_v)
+    else:
+        T, L, S = layout.seqs.kv_index.shape[0], layout.seqs.q_index.shape[1], layout.seqs.kv_index.shape[1]
 
-    k_tiles, v_tiles = regions(k), regions(v)
-    mask = rows.mask()[:, None, :, None, :, None] & cols.mask()[None, :, None, :, None, :]
-    mask = rearrange(mask, "th tw bh bw rh rw -> (th tw) (bh bw) (rh rw)")
-    if global_k is not None and global_k.shape[-2] > 0:
-        num_tiles = th * tw
+        def gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # -> (B * T, heads, slots, d)
+            tokens = t.transpose(1, 2).reshape(B, N, -1)  # (B, N, heads * d): a view of a qkv projection
+            return tokens.index_select(1, index.flatten()).view(B * T, index.shape[1], heads, -1).transpose(1, 2)
 
-        def with_global(tiles: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-            g = rearrange(g, "b n g d -> (b n) 1 g d").expand(-1, num_tiles, -1, -1)
-            return torch.cat([tiles, g], dim=2)
+        bias = layout.seqs.bias if B == 1 else layout.seqs.bias.repeat(B, 1, 1, 1)
+        out = F.scaled_dot_product_attention(
+            gather(q, layout.seqs.q_index),
+            gather(k, layout.seqs.kv_index),
+            gather(v, layout.seqs.kv_index),
+            attn_mask=bias.expand(-1, heads, -1, -1),  # 4D, so SDPA keeps its fused kernel
+            dropout_p=dropout_p,
+            scale=scale,
+        )  # (B * T, heads, L, d_v)
+        out = out.transpose(1, 2).reshape(B, T * L, heads, -1).index_select(1, layout.out_index)
+    if p:
+        prefix = F.scaled_dot_product_attention(q[:, :, :p], k, v, dropout_p=dropout_p, scale=scale)
+        out = torch.cat([prefix.transpose(1, 2), out], dim=1)  # (B, N, heads, d_v)
+    return out.transpose(1, 2)
 
-        k_tiles, v_tiles = with_global(k_tiles, global_k), with_global(v_tiles, global_v)
-        mask = torch.cat([mask, mask.new_ones(num_tiles, bh * bw, global_k.shape[-2])], dim=-1)
-    out = F.scaled_dot_product_attention(q_tiles, k_tiles, v_tiles, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-    out = rearrange(out, "(b n) (th tw) (bh bw) d -> b n (th bh) (tw bw) d", b=B, th=th, bh=bh)
-    return out[:, :, :H, :W]
 
-
-def local_with_prefix(
+def local_on_grid(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    grid: tuple[int, int],
-    num_prefix_tokens: int,
-    local_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    rows: AxisPlan,
+    cols: AxisPlan,
     dropout_p: float = 0.0,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Patch tokens mix through ``local_op`` on the grid and do not see the prefix tokens; the prefix
-    (class/register) tokens attend to all N tokens with ordinary softmax (P x N, cheap), so a class token
-    still gathers the whole image.
-
-    Args:
-        q, k, v: (B, heads, N, d), N = num_prefix_tokens + H * W, prefix tokens first.
-        local_op: maps grid-layout q, k, v (B, heads, H, W, d) to (B, heads, H, W, d).
-    Returns:
-        (B, heads, N, d)
-    """
-    h, w = grid
-    p = num_prefix_tokens
-
-    def to_grid(t: torch.Tensor) -> torch.Tensor:
-        return rearrange(t[:, :, p:], "b n (h w) d -> b n h w d", h=h, w=w)
-
-    patches = rearrange(local_op(to_grid(q), to_grid(k), to_grid(v)), "b n h w d -> b n (h w) d")
-    if p == 0:
-        return patches
-    prefix = F.scaled_dot_product_attention(q[:, :, :p], k, v, dropout_p=dropout_p)
-    return torch.cat([prefix, patches], dim=2)
+    """:func:`tiled_local_attention` on the grid layout: q, k, v (B, heads, H, W, d) -> (B, heads, H, W, d_v)."""
+    flat = (t.flatten(2, 3) for t in (q, k, v))  # (B, heads, H * W, d)
+    return tiled_local_attention(*flat, rows, cols, dropout_p=dropout_p, scale=scale).unflatten(2, q.shape[2:4])
 
 
 def check_nonnegative_int(value: int, name: str, op: str) -> None:

@@ -10,8 +10,6 @@ the cost stays ``O(N (R^2 + G))`` for the patches plus ``O(G N)`` for the global
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 
 from visattn.ops._checks import check_grid, check_positive_int, check_qkv
 from visattn.ops._reference import masked_attention_reference
@@ -79,20 +77,9 @@ def longformer(
     check_local_options(local, kernel_size, block_size, halo, tile_size)
     rows = _axis_plan(local, H, kernel_size, block_size, halo, tile_size, q.device)
     cols = _axis_plan(local, W, kernel_size, block_size, halo, tile_size, q.device)
-    g = num_global_tokens
-
-    def to_grid(t: torch.Tensor) -> torch.Tensor:
-        return rearrange(t[:, :, g:], "b n (h w) d -> b n h w d", h=H, w=W)
-
-    patches = tiled_local_attention(
-        to_grid(q), to_grid(k), to_grid(v), rows, cols,
-        global_k=k[:, :, :g], global_v=v[:, :, :g], dropout_p=dropout_p, scale=scale,
-    )  # (B, heads, H, W, d)
-    patches = rearrange(patches, "b n h w d -> b n (h w) d")
-    if g == 0:
-        return patches
-    global_rows = F.scaled_dot_product_attention(q[:, :, :g], k, v, dropout_p=dropout_p, scale=scale)
-    return torch.cat([global_rows, patches], dim=2)
+    return tiled_local_attention(
+        q, k, v, rows, cols, num_prefix_tokens=num_global_tokens, prefix_visible=True, dropout_p=dropout_p, scale=scale
+    )
 
 
 def longformer_mask(

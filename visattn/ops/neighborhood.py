@@ -11,7 +11,7 @@ import torch
 
 from visattn.ops._checks import check_positive_int, check_qkv_grid
 from visattn.ops._reference import masked_attention_reference
-from visattn.ops.local import neighborhood_axis, tiled_local_attention
+from visattn.ops.local import local_on_grid, neighborhood_axis
 
 
 def neighborhood(
@@ -41,7 +41,7 @@ def neighborhood(
     H, W = q.shape[2:4]
     rows = neighborhood_axis(H, kernel_size, tile_size, q.device)
     cols = neighborhood_axis(W, kernel_size, tile_size, q.device)
-    return tiled_local_attention(q, k, v, rows, cols, dropout_p=dropout_p, scale=scale)
+    return local_on_grid(q, k, v, rows, cols, dropout_p=dropout_p, scale=scale)
 
 
 def neighborhood_mask(grid: tuple[int, int], kernel_size: int, device: torch.device | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from visattn.ops._checks import check_positive_int, check_qkv_grid
 from visattn.ops._reference import masked_attention_reference
-from visattn.ops.local import blocked_axis, check_nonnegative_int, tiled_local_attention
+from visattn.ops.local import blocked_axis, check_nonnegative_int, local_on_grid
 
 
 def sparse(
@@ -40,7 +40,7 @@ def sparse(
     H, W = q.shape[2:4]
     rows = blocked_axis(H, block_size, halo, q.device)
     cols = blocked_axis(W, block_size, halo, q.device)
-    return tiled_local_attention(q, k, v, rows, cols, dropout_p=dropout_p, scale=scale)
+    return local_on_grid(q, k, v, rows, cols, dropout_p=dropout_p, scale=scale)
 
 
 def sparse_mask(

@@ -1,0 +1,116 @@
+"""The tiled engine of the local ops: its chunked inference path and its differentiable path agree with
+each other and with the explicit-mask twins, prefix tokens included."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tests.helpers import assert_rms_close, grads_of
+from visattn.ops._reference import masked_attention_reference
+from visattn.ops.local import blocked_axis, neighborhood_axis, tiled_local_attention
+from visattn.ops.neighborhood import neighborhood_mask
+from visattn.ops.sparse import sparse_mask
+
+chunked = importlib.import_module("visattn.ops._chunked")
+local = importlib.import_module("visattn.ops.local")
+
+# (B, heads, H, W, prefix tokens, patches see the prefix, window, head_dim)
+CASES = [
+    (1, 2, 9, 7, 0, False, ("neighborhood", 3, 4), 8),
+    (2, 3, 7, 5, 1, False, ("neighborhood", 5, 3), 8),  # tiles cut by both grid edges
+    (2, 2, 12, 10, 2, True, ("neighborhood", 7, 8), 16),  # longformer: patches see the prefix tokens
+    (1, 2, 5, 9, 3, False, ("sparse", 3, 1), 8),
+    (2, 1, 8, 11, 1, True, ("sparse", 4, 2), 8),
+    (1, 3, 6, 6, 0, False, ("sparse", 2, 0), 8),
+]
+IDS = [f"B{b}-H{h}-grid{gh}x{gw}-p{p}-{'global' if vis else 'local'}-{w[0]}{w[1]}-{w[2]}-d{d}" for b, h, gh, gw, p, vis, w, d in CASES]
+
+
+def _plans(window, grid):
+    kind, size, extra = window
+    if kind == "neighborhood":
+        return [neighborhood_axis(length, size, extra, torch.device("cpu")) for length in grid]
+    return [blocked_axis(length, size, extra, torch.device("cpu")) for length in grid]
+
+
+def _reference(q, k, v, window, grid, p, prefix_visible):
+    kind, size, extra = window
+    allowed = torch.zeros(q.shape[2], q.shape[2], dtype=torch.bool)
+    allowed[:p] = True  # prefix queries see every token
+    allowed[p:, :p] = prefix_visible
+    allowed[p:, p:] = neighborhood_mask(grid, size) if kind == "neighborhood" else sparse_mask(grid, size, extra)
+    return masked_attention_reference(q, k, v, allowed)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 64)  # one tile per chunk: many chunks per call
+
+
+@pytest.mark.parametrize("b,heads,gh,gw,p,prefix_visible,window,d", CASES, ids=IDS)
+def test_inference_and_training_paths_match_reference(b, heads, gh, gw, p, prefix_visible, window, d, small_chunks):
+    n = p + gh * gw
+    q, k, v = (torch.randn(b, heads, n, d) for _ in range(3))
+    rows, cols = _plans(window, (gh, gw))
+
+    def engine(q, k, v):
+        return tiled_local_attention(q, k, v, rows, cols, num_prefix_tokens=p, prefix_visible=prefix_visible)
+
+    expected, expected_grads = grads_of(lambda q, k, v: _reference(q, k, v, window, (gh, gw), p, prefix_visible), q, k, v)
+    trained, grads = grads_of(engine, q, k, v)  # differentiable path
+    with torch.no_grad():
+        inferred = engine(q, k, v)  # chunked path
+    assert_rms_close(trained, expected, 1e-5, "differentiable path")
+    assert_rms_close(inferred, expected, 1e-5, "chunked path")
+    for name, g, g_ref in zip("qkv", grads, expected_grads):
+        assert_rms_close(g, g_ref, 1e-5, f"d{name}")
+
+
+@pytest.mark.parametrize("b,heads,gh,gw,p,prefix_visible,window,d", CASES[1:3], ids=IDS[1:3])
+def test_chunked_path_bf16_and_autocast(b, heads, gh, gw, p, prefix_visible, window, d, small_chunks):
+    n = p + gh * gw
+    q, k, v = (torch.randn(b, heads, n, d) for _ in range(3))
+    rows, cols = _plans(window, (gh, gw))
+    expected = _reference(q, k, v, window, (gh, gw), p, prefix_visible)
+    with torch.no_grad():
+        out = tiled_local_attention(*(t.bfloat16() for t in (q, k, v)), rows, cols, p, prefix_visible)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast_out = tiled_local_attention(q, k, v, rows, cols, p, prefix_visible)
+    assert out.dtype == torch.bfloat16
+    assert_rms_close(out.float(), expected, 2e-2, "bf16")
+    assert_rms_close(autocast_out.float(), expected, 2e-2, "autocast")
+
+
+def test_output_is_token_major():
+    """Merging the heads of the output (the layer's next step) is a view, not a copy."""
+    q, k, v = (torch.randn(2, 3, 1 + 6 * 5, 8) for _ in range(3))
+    rows, cols = _plans(("neighborhood", 3, 4), (6, 5))
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            out = tiled_local_attention(*(t.requires_grad_(grad) for t in (q, k, v)), rows, cols, 1)
+        merged = out.transpose(1, 2).reshape(2, 31, 24)
+        assert merged.data_ptr() == out.data_ptr() and merged._base is not None
+
+
+def test_layouts_are_cached():
+    rows, cols = _plans(("neighborhood", 5, 4), (9, 7))
+    assert neighborhood_axis(9, 5, 4, torch.device("cpu")) is rows
+    first = local._tile_layout(rows, cols, 1, False, torch.float32)
+    assert local._tile_layout(rows, cols, 1, False, torch.float32) is first
+    assert local._tile_layout(rows, cols, 1, False, torch.bfloat16) is not first  # the mask is per dtype
+
+
+@pytest.mark.parametrize("p", [0, 2], ids=["p0", "p2"])
+@pytest.mark.parametrize("window", [("neighborhood", 1, 4), ("sparse", 1, 0)], ids=["k1", "b1-halo0"])
+def test_a_window_of_one_key_returns_v_exactly(window, p):
+    q, k, v = (torch.randn(2, 2, p + 5 * 6, 8) for _ in range(3))
+    rows, cols = _plans(window, (5, 6))
+    out, (dq, dk, dv) = grads_of(lambda q, k, v: tiled_local_attention(q, k, v, rows, cols, p), q, k, v)
+    assert torch.equal(out[:, :, p:], v[:, :, p:])
+    with torch.no_grad():
+        assert torch.equal(tiled_local_attention(q, k, v, rows, cols, p)[:, :, p:], v[:, :, p:])
+    assert torch.count_nonzero(dq[:, :, p:]) == 0  # a softmax over one key has no gradient
+    if p == 0:
+        assert torch.count_nonzero(dk) == 0

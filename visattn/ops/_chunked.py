@@ -1,0 +1,118 @@
+"""Many short softmax attentions (tiles, rows, columns of the grid) run a chunk at a time, for inference.
+
+Each short sequence gathers its queries and keys from the token matrix (B * N, heads * d) by row index.
+A chunk of sequences is gathered into buffers small enough to stay in cache, attended with PyTorch's
+fused ``scaled_dot_product_attention``, and its outputs are written straight to their tokens in the
+output matrix. Nothing of size N x (keys per sequence) is ever allocated, and the buffers are reused from
+chunk to chunk. No autograd: callers use it when no gradient is needed and keep a differentiable path
+for training.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+# A chunk's gathered keys (and values, and queries) hold about this many values each.
+CHUNK_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class Sequences:
+    """Short attention sequences over the tokens of one image: sequence i's L query slots read tokens
+    ``q_index[i]``, its S key slots read tokens ``kv_index[i]``, and its outputs go to tokens ``dest[i]``
+    (-1: a padding slot, discarded). Cached and compared by identity."""
+
+    q_index: torch.Tensor  # (num_seqs, L) long
+    kv_index: torch.Tensor  # (num_seqs, S) long
+    dest: torch.Tensor  # (num_seqs, L) long, -1 for padding slots
+    bias: torch.Tensor | None  # (num_seqs, 1, L, S) additive mask (0 or -inf), or None: all keys seen
+
+    @property
+    def num_seqs(self) -> int:
+        return self.q_index.shape[0]
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    seqs: slice
+    q_rows: torch.Tensor  # (B * c * L,) rows of the batch-flattened token matrix gathered as queries
+    kv_rows: torch.Tensor  # (B * c * S,) rows gathered as keys and values
+    kept: torch.Tensor | None  # the chunk's query slots that are written out (None: all of them)
+    out_rows: torch.Tensor  # (B * kept slots,) output row of each kept slot
+
+
+@lru_cache(maxsize=64)
+def _chunks(seqs: Sequences, per_chunk: int, batch: int, num_tokens: int) -> tuple[_Chunk, ...]:
+    """The chunks of ``per_chunk`` sequences, as row indices into the (B * N, .) token matrix."""
+    offset = torch.arange(batch, device=seqs.q_index.device)[:, None] * num_tokens  # (B, 1)
+    chunks = []
+    for start in range(0, seqs.num_seqs, per_chunk):
+        part = slice(start, min(start + per_chunk, seqs.num_seqs))
+        dest = seqs.dest[part].flatten()
+        kept = dest >= 0
+        chunks.append(
+            _Chunk(
+                part,
+                (offset + seqs.q_index[part].flatten()).flatten(),
+                (offset + seqs.kv_index[part].flatten()).flatten(),
+                None if bool(kept.all()) else kept.nonzero().flatten(),
+                (offset + dest[kept]).flatten(),
+            )
+        )
+    return tuple(chunks)
+
+
+def attend_in_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqs: Sequences,
+    batch: int,
+    heads: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Runs every sequence of ``seqs``.
+
+    Args:
+        q, k, v: (B * N, heads * d) token matrices (any row stride), images one after another.
+        seqs: the sequences of one image; every image has the same.
+        batch: B.
+    Returns:
+        (B * N, heads * d_v) in the attention's dtype (autocast applies), written at the rows of
+        ``seqs.dest``; the other rows are left uninitialised for the caller.
+    """
+    L, S = seqs.q_index.shape[1], seqs.kv_index.shape[1]
+    per_chunk = max(1, CHUNK_ELEMENTS // (batch * S * k.shape[1]))
+    buffers: dict[tuple[str, int], torch.Tensor] = {}
+    out = None
+
+    def gather(t: torch.Tensor, rows: torch.Tensor, name: str, seqs_in_chunk: int) -> torch.Tensor:
+        buf = buffers.get((name, rows.shape[0]))
+        if buf is None:
+            buf = buffers[name, rows.shape[0]] = t.new_empty(rows.shape[0], t.shape[1])
+        torch.index_select(t, 0, rows, out=buf)
+        return buf.view(batch * seqs_in_chunk, -1, heads, t.shape[1] // heads).transpose(1, 2)
+
+    for chunk in _chunks(seqs, per_chunk, batch, q.shape[0] // batch):
+        c = chunk.seqs.stop - chunk.seqs.start
+        bias = None
+        if seqs.bias is not None:
+            bias = seqs.bias[chunk.seqs]
+            bias = (bias if batch == 1 else bias.repeat(batch, 1, 1, 1)).expand(-1, heads, -1, -1)  # 4D: fused kernel
+        attn = F.scaled_dot_product_attention(
+            gather(q, chunk.q_rows, "q", c),
+            gather(k, chunk.kv_rows, "k", c),
+            gather(v, chunk.kv_rows, "v", c),
+            attn_mask=bias,
+            scale=scale,
+        )  # (B * c, heads, L, d_v), token-major in memory
+        attn = attn.transpose(1, 2).reshape(batch * c * L, -1)
+        if chunk.kept is not None:
+            attn = attn.view(batch, c * L, -1)[:, chunk.kept].flatten(0, 1)
+        if out is None:
+            out = attn.new_empty(q.shape[0], attn.shape[1])
+        out.index_copy_(0, chunk.out_rows, attn)
+    return out
