@@ -98,3 +98,76 @@ def test_bad_input_raises(shape, grid, p):
     x = torch.randn(shape)
     with pytest.raises(ValueError):
         axial(x, x, x, grid, p)
+
+
+def _saved_by_forward(fn, *inputs):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn(*inputs)
+    return out, [t for t in saved if t is not None]
+
+
+def test_training_saves_q_k_v_and_the_row_hop():
+    """On the CPU kernels autograd keeps q, k, v, the output (the next layer keeps it anyway), the row
+    hop's keys and values (the prefix concatenations) and output, and per-query log-sum-exps: three
+    tensors of N tokens of its own, and no column copy."""
+    q, k, v = (t.requires_grad_(True) for t in _qkv(1, 2, 6, 5, 1, 8))
+    out, saved = _saved_by_forward(lambda q, k, v: axial(q, k, v, (6, 5), 1), q, k, v)
+    own = [t for t in saved if not any(t is x for x in (q, k, v)) and t.data_ptr() != out.data_ptr()]
+    patches = q[:, :, 1:].numel()
+    assert sorted(t.numel() for t in own if t.numel() >= patches) == [patches, patches + 6 * 2 * 8, patches + 6 * 2 * 8]
+    assert all(t.numel() >= patches or t.numel() <= 2 * q.shape[2] for t in own)
+    out.square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_training_under_autocast_recomputes_instead():
+    """Elsewhere (autocast, dropout, other devices) the hops are recomputed in the backward pass
+    (activation checkpointing): autograd keeps q, k and v only."""
+    q, k, v = _qkv(2, 2, 5, 4, 1, 8)
+
+    def autocast_axial(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return axial(q, k, v, (5, 4), 1)
+
+    _, saved = _saved_by_forward(autocast_axial, *(t.clone().requires_grad_(True) for t in (q, k, v)))
+    assert len(saved) == 3
+    out, grads = grads_of(autocast_axial, q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: axial_reference(q, k, v, (5, 4), 1), q, k, v)
+    assert_rms_close(out.float(), ref, 2e-2, "out")
+    for name, g, g_ref in zip("qkv", grads, ref_grads):
+        assert_rms_close(g, g_ref, 2e-2, f"d{name}")
+
+
+@pytest.mark.parametrize("b,heads,gh,gw,p,d", CASES[:4], ids=IDS[:4])
+def test_inference_equals_training_output(b, heads, gh, gw, p, d):
+    q, k, v = _qkv(b, heads, gh, gw, p, d)
+    with torch.no_grad():
+        inferred = axial(q, k, v, (gh, gw), p)
+    trained = axial(*(t.requires_grad_(True) for t in (q, k, v)), (gh, gw), p)
+    torch.testing.assert_close(inferred, trained.detach(), rtol=0, atol=0)
+    merged = inferred.transpose(1, 2).reshape(b, q.shape[2], heads * d)
+    assert merged.data_ptr() == inferred.data_ptr()  # token-major: merging the heads is a view
+
+
+@pytest.mark.parametrize("b,heads,gh,gw,p", [(1, 2, 6, 5, 1), (2, 3, 4, 7, 0), (2, 2, 3, 8, 3)], ids=["B1-H2-grid6x5-p1", "B2-H3-grid4x7-p0", "B2-H2-grid3x8-p3"])
+def test_packed_equals_split_heads(b, heads, gh, gw, p):
+    """axial_packed on a qkv projection (B, N, 3 C) = the reference on its timm-layout q, k, v; the
+    gradient comes back as one (B, N, 3 C) tensor."""
+    from visattn.ops.axial import axial_packed
+
+    qkv = torch.randn(b, p + gh * gw, 3 * heads * 8)
+
+    def reference(qkv):
+        q, k, v = qkv.unflatten(-1, (3, heads, 8)).permute(2, 0, 3, 1, 4).unbind(0)
+        return axial_reference(q, k, v, (gh, gw), p).transpose(1, 2).flatten(2)
+
+    out, (grad,) = grads_of(lambda t: axial_packed(t, heads, (gh, gw), p), qkv)
+    ref, (ref_grad,) = grads_of(reference, qkv)
+    assert_rms_close(out, ref, 1e-5, "out")
+    assert_rms_close(grad, ref_grad, 1e-5, "dqkv")
+    assert grad.is_contiguous()
+    with torch.no_grad():
+        assert_rms_close(axial_packed(qkv, heads, (gh, gw), p), ref, 1e-5, "inference")
+    with pytest.raises(ValueError, match="num_heads"):
+        axial_packed(qkv[..., 1:], heads, (gh, gw), p)
