@@ -131,3 +131,33 @@ def test_linformer_init_and_reset_are_area_pooling():
 def test_linformer_bad_options_raise(options):
     with pytest.raises(ValueError):
         LinformerAttention(DIM, num_heads=HEADS, **options)
+
+
+def _generic_path(layer: nn.Module) -> nn.Module:
+    """The same layer forced onto the base class's projection: qkv for all tokens, then mix()."""
+    from visattn.layers.base import GridAttention
+
+    layer.project_and_mix = lambda *args: GridAttention.project_and_mix(layer, *args)
+    return layer
+
+
+@pytest.mark.parametrize("grid,p", GRIDS, ids=GRID_IDS)
+def test_linformer_projecting_the_input_equals_the_generic_path(grid, p):
+    """Without a key norm the layer projects x along the tokens before the key and value projections;
+    outputs and every gradient match the generic qkv -> mix path."""
+    x = torch.randn(2, p + grid[0] * grid[1], DIM)
+    results = []
+    for make in (lambda layer: layer, _generic_path):
+        torch.manual_seed(0)
+        layer = make(_layer("linformer", grid, p, qkv_bias=True))
+        with torch.no_grad():
+            layer.proj_k.normal_()  # not the pooled initialisation, whose rows all sum to 1
+        xg = x.clone().requires_grad_(True)
+        out = layer(xg)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        results.append((out.detach(), xg.grad, {n: t.grad for n, t in layer.named_parameters()}))
+    (fast, dx_fast, grads_fast), (generic, dx_generic, grads_generic) = results
+    assert_rms_close(fast, generic, 1e-5, "out")
+    assert_rms_close(dx_fast, dx_generic, 1e-5, "dx")
+    for name, grad in grads_generic.items():
+        assert_rms_close(grads_fast[name], grad, 1e-5, f"d{name}")

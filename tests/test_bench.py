@@ -184,11 +184,11 @@ def test_softmax_mixing_is_4_n2_c():
     assert mixing_flops("softmax", layout, 3, 16, {}) == 4 * 36**2 * 48
 
 
-def _tiny_model(attn: str, img: tuple[int, int]) -> torch.nn.Module:
+def _tiny_model(attn: str, img: tuple[int, int], **attn_kwargs) -> torch.nn.Module:
     kwargs = dict(img_size=img, embed_dim=32, depth=2, num_heads=2, num_classes=10, reg_tokens=2)
     if attn == "timm":
         return timm.create_model("vit_small_patch16_224", **kwargs)
-    return timm.create_model("visattn_vit_small_patch16", attn=attn, **kwargs)
+    return timm.create_model("visattn_vit_small_patch16", attn=attn, attn_kwargs=attn_kwargs, **kwargs)
 
 
 def _counted_flops(model: torch.nn.Module, img: tuple[int, int], backward: bool) -> int:
@@ -212,6 +212,18 @@ def test_model_flops_match_flop_counter(attn):
     assert shape.num_prefix_tokens == 3 and shape.grid(img) == (4, 6)
     options = attention_options(cost_attn, {}, shape.grid(img))
     assert vit_flops(shape, img, cost_attn, options) == _counted_flops(model, img, backward=False)
+
+
+def test_linformer_flops_match_flop_counter_when_projecting_the_input_first():
+    """k < H W: the layer projects the tokens before the key and value projections, which then run on
+    P + k tokens; the count follows."""
+    img, k = (64, 96), 5
+    model = _tiny_model("linformer", img, k=k)
+    shape = ViTShape.from_model(model)
+    options = attention_options("linformer", {"k": k}, shape.grid(img))
+    with torch.no_grad():
+        counted = _counted_flops(model, img, backward=False)
+    assert vit_flops(shape, img, "linformer", options) == counted
 
 
 @pytest.mark.parametrize("attn", ["timm", "floor"])

@@ -31,7 +31,9 @@ sparse        ``4 C (S_H S_W + P N)``; ``S_L = sum_i |block(i) + halo|``: each q
 longformer    ``4 C (S_H S_W + M G + G (G + M))`` with its local window (neighborhood or sparse),
               G = P + extra global tokens; ``+ 6 E C^2`` to project E extra global tokens (once per
               forward, whatever the batch; counted per image as if the batch were 1)
-linformer     ``4 C (k M + N (P + k))``  (K and V projected to k tokens, then N x (P + k) attention)
+linformer     ``4 C (k M + N (P + k))``  (K and V projected to k tokens, then N x (P + k) attention);
+              with k < M the layer projects the input first, ``E X`` then ``W_k``, ``W_v``: its qkv
+              projection costs ``2 N C^2 + 4 (P + k) C^2`` instead of ``6 N C^2`` (without a key norm)
 ============  ==================================================================================
 
 The local types (neighborhood, sparse, longformer) count the keys each query is defined to see; the
@@ -136,6 +138,8 @@ class MixingMemory(NamedTuple):
 class CostModel(NamedTuple):
     flops: Callable[[TokenLayout, int, int, Mapping[str, Any]], int]
     memory: Callable[[TokenLayout, int, int, Mapping[str, Any], int], MixingMemory]
+    # FLOPs of the qkv projection (layout, C, options), where the type runs it on fewer tokens than N
+    qkv_flops: Callable[[TokenLayout, int, Mapping[str, Any]], int] | None = None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -278,6 +282,14 @@ def _linformer_flops(layout: TokenLayout, h: int, d: int, options: Mapping[str, 
     return 4 * h * d * (k * layout.num_patches + layout.num_tokens * (p + k))
 
 
+def _linformer_qkv_flops(layout: TokenLayout, c: int, options: Mapping[str, Any]) -> int:
+    # With k < H W the keys and values are projected from E X: on P + k tokens instead of N
+    k, n = options["k"], layout.num_tokens
+    if k >= layout.num_patches:
+        return 6 * n * c * c
+    return 2 * n * c * c + 4 * (layout.num_prefix_tokens + k) * c * c
+
+
 def _linformer_memory(layout: TokenLayout, h: int, d: int, options: Mapping[str, Any], act: int) -> MixingMemory:
     # Projected keys/values (k x C each) and the output; the backward keeps q, k, v. Each block resamples
     # its two (k, H W) projections, shared by the batch; the backward keeps them.
@@ -298,7 +310,7 @@ COST_MODELS: dict[str, CostModel] = {
     "neighborhood": CostModel(_neighborhood_flops, _neighborhood_memory),
     "sparse": CostModel(_sparse_flops, _sparse_memory),
     "longformer": CostModel(_longformer_flops, _longformer_memory),
-    "linformer": CostModel(_linformer_flops, _linformer_memory),
+    "linformer": CostModel(_linformer_flops, _linformer_memory, _linformer_qkv_flops),
 }
 
 
@@ -337,7 +349,9 @@ def vit_flops(shape: ViTShape, img_size: tuple[int, int], attn: str, options: Ma
     """Forward FLOPs of the whole model for one image of ``img_size`` (height, width)."""
     layout = shape.layout(img_size)
     n, c = layout.num_tokens, shape.embed_dim
-    block = 8 * n * c * c + 4 * n * c * shape.mlp_hidden
+    model = cost_model(attn)
+    qkv = 6 * n * c * c if model.qkv_flops is None else model.qkv_flops(layout, c, options)
+    block = qkv + 2 * n * c * c + 4 * n * c * shape.mlp_hidden
     mixing = mixing_flops(attn, layout, shape.num_heads, shape.head_dim, options)
     return patch_embed_flops(shape, img_size) + shape.depth * (block + mixing) + 2 * c * shape.num_classes
 

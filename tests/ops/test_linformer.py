@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn.ops import linformer, linformer_reference, resample_projection
-from visattn.ops.linformer import area_pooling_projection
+from visattn.ops.linformer import area_pooling_projection, project_keys_values
 
 REF_GRID = (5, 4)
 # (B, heads, H, W, prefix tokens, projected tokens k); the projection lives on REF_GRID and is resampled
@@ -124,3 +124,30 @@ def test_bad_input_raises():
         resample_projection(torch.randn(4, 3, 4), (3, 4), (0, 5))
     with pytest.raises(ValueError, match="k must be"):
         area_pooling_projection(0, (3, 4))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("p", [0, 1, 3], ids=["p0", "p1", "p3"])
+def test_keys_values_projected_from_the_input(p, bias):
+    """E (X W^T + b) computed as (E X) W^T + (E 1) b equals the keys and values linformer() forms from the
+    projected k and v of every token; outputs and gradients."""
+    b, gh, gw, c_in, dim, kp = 2, 5, 4, 12, 16, 6
+    x, weight = torch.randn(b, p + gh * gw, c_in), torch.randn(2 * dim, c_in)
+    kv_bias = torch.randn(2 * dim) if bias else None
+    proj_k, proj_v = torch.rand(kp, gh * gw), torch.rand(kp, gh * gw)
+
+    def from_input(x, weight):
+        return torch.cat(project_keys_values(x, proj_k, proj_v, weight, kv_bias, p), dim=-1)
+
+    def from_every_token(x, weight):
+        kv = F.linear(x, weight, kv_bias)  # (B, N, 2 D): keys and values of all N tokens
+        keys = torch.cat([kv[:, :p, :dim], proj_k @ kv[:, p:, :dim]], dim=1)
+        values = torch.cat([kv[:, :p, dim:], proj_v @ kv[:, p:, dim:]], dim=1)
+        return torch.cat([keys, values], dim=-1)
+
+    out, grads = grads_of(from_input, x, weight)
+    expected, expected_grads = grads_of(from_every_token, x, weight)
+    assert out.shape == (b, p + kp, 2 * dim)
+    assert_rms_close(out, expected, 1e-5, "keys and values")
+    for name, g, g_ref in zip(("dx", "dweight"), grads, expected_grads):
+        assert_rms_close(g, g_ref, 1e-5, name)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from visattn import ops
 from visattn.layers.base import GridAttention
-from visattn.ops.linformer import area_pooling_projection
+from visattn.ops.linformer import area_pooling_projection, project_keys_values
 
 
 class LinformerAttention(GridAttention):
@@ -61,12 +62,35 @@ class LinformerAttention(GridAttention):
             self.proj_k.copy_(init)
             self.proj_v.copy_(init)
 
+    def project_and_mix(self, x, grid, attn_mask, is_causal) -> torch.Tensor:
+        """Without a key norm and with k < H * W, the keys and values are projected along the tokens before
+        the key and value projections (:func:`visattn.ops.linformer.project_keys_values`): those then run
+        on P + k tokens instead of N, and no key or value of the N tokens is ever formed."""
+        # E X costs what E K does, so projecting first saves the key and value projections of H W - k tokens
+        if not isinstance(self.k_norm, nn.Identity) or self.k >= grid[0] * grid[1]:
+            return super().project_and_mix(x, grid, attn_mask, is_causal)
+        B, N, C = x.shape
+        weight, bias = self.qkv.weight, self.qkv.bias
+        q = F.linear(x, weight[:C], None if bias is None else bias[:C])
+        keys, values = project_keys_values(
+            x, *self._live_projections(grid), weight[C:], None if bias is None else bias[C:], self.num_prefix_tokens
+        )  # (B, P + k, C) each
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, n, C) -> (B, heads, n, d)
+            return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(self.q_norm(heads(q)), heads(keys), heads(values), dropout_p=self.dropout_p)
+        return out.transpose(1, 2).reshape(B, N, C)
+
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
-        proj_k = ops.resample_projection(self.proj_k, self.ref_grid, grid)  # (k, H * W)
-        proj_v = ops.resample_projection(self.proj_v, self.ref_grid, grid)
+        proj_k, proj_v = self._live_projections(grid)
         return ops.linformer(
             q, k, v, proj_k, proj_v, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p
         )
+
+    def _live_projections(self, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """proj_k and proj_v resampled to the live grid, each (k, H * W)."""
+        return tuple(ops.resample_projection(p, self.ref_grid, grid) for p in (self.proj_k, self.proj_v))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", k={self.k}, ref_grid={self.ref_grid}"

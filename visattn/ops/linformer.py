@@ -78,6 +78,46 @@ def linformer(
     return F.scaled_dot_product_attention(q, keys, values, dropout_p=dropout_p, scale=scale)
 
 
+def project_keys_values(
+    x: torch.Tensor,
+    proj_k: torch.Tensor,
+    proj_v: torch.Tensor,
+    kv_weight: torch.Tensor,
+    kv_bias: torch.Tensor | None,
+    num_prefix_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Linformer's keys and values computed from the layer input, projecting along the tokens *before*
+    the key and value projections: ``E (X W^T + 1 b^T) = (E X) W^T + (E 1) b^T``. Equal to projecting the
+    keys and values of all N tokens (up to rounding), but the key and value projections then run on
+    P + k tokens instead of N. Only valid when no per-token operation (such as a key norm) sits between
+    the projection and the mixing.
+
+    Args:
+        x: (B, N, C), N = num_prefix_tokens + H * W, prefix tokens first.
+        proj_k, proj_v: (k, H * W), the token-axis projections on the live grid; cast to x's dtype.
+        kv_weight: (2 D, C), the key rows then the value rows of the qkv projection's weight.
+        kv_bias: (2 D,) or None, the matching bias.
+    Returns:
+        keys, values: (B, P + k, D) each, the prefix tokens first.
+    """
+    _check_projections(x.unsqueeze(1), proj_k, proj_v, num_prefix_tokens, "project_keys_values")
+    p = num_prefix_tokens
+    dim = kv_weight.shape[0] // 2
+    out = []
+    for proj, weight, bias in (
+        (proj_k, kv_weight[:dim], None if kv_bias is None else kv_bias[:dim]),
+        (proj_v, kv_weight[dim:], None if kv_bias is None else kv_bias[dim:]),
+    ):
+        proj = proj.to(x.dtype)
+        tokens = torch.cat([x[:, :p], proj @ x[:, p:]], dim=1)  # (B, P + k, C)
+        projected = F.linear(tokens, weight)
+        if bias is not None:  # a prefix token carries the bias once, a projected token sum(E_j) times
+            weight_sum = torch.cat([proj.new_ones(p), proj.sum(dim=1)])  # (P + k,)
+            projected = projected + weight_sum[:, None] * bias
+        out.append(projected)
+    return out[0], out[1]
+
+
 def linformer_reference(
     q: torch.Tensor,
     k: torch.Tensor,
