@@ -5,6 +5,7 @@ import torch.nn as nn
 from timm.layers import Attention
 
 import visattn
+from tests.helpers import assert_rms_close
 from visattn.layers import get_attention
 
 NAMES = visattn.list_attentions()
@@ -136,3 +137,53 @@ def test_linear_causal_layer_matches_reference():
     q, k, v = layer.qkv(x).reshape(B, N, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
     expected = layer.proj(visattn.ops.linear_reference(q, k, v, causal=True).transpose(1, 2).reshape(B, N, DIM))
     torch.testing.assert_close(layer(x, is_causal=True), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dwconv_kernel", [3, None], ids=["dwconv3", "no-dwconv"])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("prefix", [0, 1], ids=["p0", "p1"])
+def test_linear_fused_paths_equal_the_generic_path(prefix, qk_norm, dwconv_kernel):
+    """Inference fuses the projection with the mixing, training runs on the packed projection; both give
+    the generic qkv -> mix result (locality term included), and training the same gradients."""
+    from visattn.layers.base import GridAttention
+
+    norm = nn.LayerNorm if qk_norm else None
+    layer = _layer("linear", qk_norm=qk_norm, norm_layer=norm, dwconv_kernel=dwconv_kernel)
+    generic = _layer("linear", qk_norm=qk_norm, norm_layer=norm, dwconv_kernel=dwconv_kernel)
+    generic.load_state_dict(layer.state_dict())
+    generic.project_and_mix = lambda *args: GridAttention.project_and_mix(generic, *args)
+    for module in (layer, generic):
+        module.set_grid((5, 7), prefix)
+    x = _input((5, 7), prefix)
+    with torch.no_grad():
+        assert_rms_close(layer(x), generic(x), 1e-5, "inference")
+    cotangent = torch.randn(x.shape)
+    outs = []
+    for module in (layer, generic):
+        xg = x.clone().requires_grad_(True)
+        out = module(xg)
+        out.backward(cotangent)
+        outs.append((out.detach(), xg.grad, [p.grad for p in module.parameters()]))
+    assert_rms_close(outs[0][0], outs[1][0], 1e-5, "training")
+    assert_rms_close(outs[0][1], outs[1][1], 1e-5, "dx")
+    for g, g_ref in zip(outs[0][2], outs[1][2]):
+        assert_rms_close(g, g_ref, 1e-5, "dparam")
+
+
+@pytest.mark.parametrize("prefix", [0, 2], ids=["p0", "p2"])
+def test_linear_locality_term_is_the_depthwise_convolution_of_v(prefix):
+    """Every path of the layer adds conv(v) over the grid to the patch outputs (never to the prefix
+    tokens), spelled out here on its own q, k, v."""
+    grid = (4, 5)
+    layer = _layer("linear", dwconv_kernel=3)
+    layer.set_grid(grid, prefix)
+    x = _input(grid, prefix)
+    b, n, _ = x.shape
+    q, k, v = layer.qkv(x).reshape(b, n, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+    mixed = visattn.ops.linear_reference(q, k, v).transpose(1, 2).reshape(b, n, DIM)
+    v_img = v[:, :, prefix:].transpose(2, 3).reshape(b, DIM, *grid)  # (B, heads * d, H, W)
+    local = layer.dwconv(v_img).flatten(2).transpose(1, 2)  # (B, H * W, C)
+    expected = layer.proj(torch.cat([mixed[:, :prefix], mixed[:, prefix:] + local], dim=1)).detach()
+    assert_rms_close(layer(x), expected, 1e-5, "training path")
+    with torch.no_grad():
+        assert_rms_close(layer(x), expected, 1e-5, "inference path")

@@ -1,9 +1,13 @@
+import importlib
+
 import pytest
 import torch
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
 from visattn.ops.linear import FEATURE_MAPS
+
+linear_module = importlib.import_module("visattn.ops.linear")  # the module (visattn.ops.linear is the op)
 
 SHAPES = [(1, 1, 5, 4), (2, 3, 37, 8), (1, 2, 130, 16)]  # N not a multiple of any chunk size used below
 SHAPE_IDS = [f"B{b}-H{h}-N{n}-d{d}" for b, h, n, d in SHAPES]
@@ -102,3 +106,146 @@ def test_bad_inputs_raise():
         ops.linear(q, k[:, :, :5], v)
     with pytest.raises(ValueError, match="chunk_size"):
         ops.linear(q, k, v, causal=True, chunk_size=0)
+
+
+# The non-causal op walks the tokens in blocks; a small block makes every test shape span several blocks
+# (the last one partial), so the block boundaries are exercised.
+SMALL_BLOCKS = 16 * 2 * 8  # 16 tokens per block at B=1, heads=2, d=8
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(linear_module, "_BLOCK_ELEMENTS", SMALL_BLOCKS)
+
+
+
+@pytest.mark.parametrize("feature_map", sorted(FEATURE_MAPS))
+@pytest.mark.parametrize("shape", [(1, 2, 53, 8), (2, 3, 37, 8)], ids=["B1-H2-N53-d8", "B2-H3-N37-d8"])
+def test_noncausal_blocks_match_reference(shape, feature_map, small_blocks):
+    q, k, v = _qkv(shape)
+    out, grads = grads_of(lambda q, k, v: ops.linear(q, k, v, feature_map=feature_map), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: ops.linear_reference(q, k, v, feature_map=feature_map), q, k, v)
+    assert_rms_close(out, ref, 1e-5, "out")
+    for name, g, g_ref in zip("qkv", grads, ref_grads):
+        assert_rms_close(g, g_ref, 1e-5, f"d{name}")
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
+def test_fast_feature_map_and_derivative_match_the_definition(name):
+    phi = FEATURE_MAPS[name]
+    x = torch.cat([torch.randn(1000) * 4, torch.tensor([0.0, -0.0, 30.0, -30.0])]).requires_grad_(True)
+    (expected_grad,) = torch.autograd.grad(phi(x).sum(), x)
+    x = x.detach()
+    out, scratch = torch.empty_like(x), torch.empty_like(x)
+    fast = phi.fast_into(x, out, scratch)
+    torch.testing.assert_close(fast, phi(x), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(phi.derivative_(fast.clone()), expected_grad, rtol=1e-6, atol=1e-7)
+    fast_bf16 = phi.fast_into(x.bfloat16(), torch.empty_like(x), torch.empty_like(x))  # converts into fp32
+    torch.testing.assert_close(fast_bf16, phi(x.bfloat16().float()), rtol=1e-6, atol=1e-7)
+
+
+def _packed(b, n, heads, d, dtype=torch.float32):
+    return torch.randn(b, n, 3 * heads * d, dtype=dtype)
+
+
+def _split(qkv, heads):
+    return qkv.unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # timm's layout
+
+
+@pytest.mark.parametrize("feature_map", sorted(FEATURE_MAPS))
+@pytest.mark.parametrize("b,n,heads", [(1, 53, 2), (2, 37, 3)], ids=["B1-N53-H2", "B2-N37-H3"])
+def test_packed_equals_split_heads(b, n, heads, feature_map, small_blocks):
+    qkv = _packed(b, n, heads, 8)
+
+    def split_then_linear(qkv):
+        q, k, v = _split(qkv, heads)
+        return ops.linear_reference(q, k, v, feature_map=feature_map).transpose(1, 2).flatten(2)
+
+    out, (grad,) = grads_of(lambda t: linear_module.linear_packed(t, heads, feature_map)[0], qkv)
+    ref, (ref_grad,) = grads_of(split_then_linear, qkv)
+    assert_rms_close(out, ref, 1e-5, "out")
+    assert_rms_close(grad, ref_grad, 1e-5, "dqkv")
+    assert grad.shape == qkv.shape and grad.is_contiguous()
+
+
+def test_packed_bf16_close_to_fp32():
+    qkv = _packed(2, 40, 2, 8)
+    out, _ = linear_module.linear_packed(qkv.bfloat16(), 2)
+    assert out.dtype == torch.bfloat16
+    assert_rms_close(out.float(), linear_module.linear_packed(qkv, 2)[0], 2e-2, "bf16")
+
+
+def test_packed_saves_only_its_input_and_the_state():
+    """A training step keeps the qkv projection (which the backward pass needs) and the (d, d) state: no
+    feature map or output of N tokens."""
+    qkv = _packed(1, 64, 2, 8).requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        linear_module.linear_packed(qkv, 2)
+    assert any(t is qkv for t in saved)
+    assert all(t is qkv or t.numel() <= 2 * 8 * 8 for t in saved), [tuple(t.shape) for t in saved]
+
+
+def test_packed_values_are_the_projection_values_with_their_gradient():
+    """The second output is the values of the projection; a gradient through it (a locality term)
+    lands in the value slice of the projection's gradient, added to the attention's."""
+    qkv = _packed(2, 30, 2, 8)
+    weight = torch.randn(2, 30, 16)
+
+    def through_values(qkv):
+        out, values = linear_module.linear_packed(qkv, 2)
+        return out + values * weight
+
+    def reference(qkv):
+        q, k, v = _split(qkv, 2)
+        return ops.linear_reference(q, k, v).transpose(1, 2).flatten(2) + qkv[..., 32:] * weight
+
+    out, (grad,) = grads_of(through_values, qkv)
+    ref, (ref_grad,) = grads_of(reference, qkv)
+    assert_rms_close(out, ref, 1e-5, "out")
+    assert_rms_close(grad, ref_grad, 1e-5, "dqkv")
+    assert torch.equal(linear_module.linear_packed(qkv, 2)[1], qkv[..., 32:])
+
+
+def test_packed_bad_shape_raises():
+    with pytest.raises(ValueError, match="num_heads"):
+        linear_module.linear_packed(torch.randn(1, 5, 3 * 10), 4)
+
+
+def _from_input_case(bias=True, norms=False):
+    torch.manual_seed(1)
+    heads, d, c_in = 3, 8, 20
+    weight = torch.randn(3 * heads * d, c_in) / c_in**0.5
+    qkv_bias = torch.randn(3 * heads * d) if bias else None
+    norm = torch.nn.LayerNorm(d) if norms else None
+    return torch.randn(2, 45, c_in), weight, qkv_bias, heads, norm
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("norms", [False, True], ids=["plain", "qk-norm"])
+@pytest.mark.parametrize("feature_map", sorted(FEATURE_MAPS))
+def test_from_input_equals_projection_then_linear(feature_map, norms, bias, small_blocks):
+    x, weight, qkv_bias, heads, norm = _from_input_case(bias, norms)
+    q, k, v = _split(torch.nn.functional.linear(x, weight, qkv_bias), heads)
+    if norm is not None:
+        q, k = norm(q), norm(k)
+    expected = ops.linear_reference(q, k, v, feature_map=feature_map).transpose(1, 2).flatten(2)
+    with torch.no_grad():
+        out = linear_module.linear_from_input(x, weight, qkv_bias, heads, feature_map, q_norm=norm, k_norm=norm)
+    assert_rms_close(out, expected, 1e-5, "out")
+
+
+def test_from_input_under_autocast_matches_the_unfused_path():
+    x, weight, qkv_bias, heads, _ = _from_input_case()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_module.linear_from_input(x, weight, qkv_bias, heads)
+        q, k, v = _split(torch.nn.functional.linear(x, weight, qkv_bias), heads)
+        expected = ops.linear(q, k, v).transpose(1, 2).flatten(2)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert_rms_close(out.float(), expected.float(), 1e-5, "autocast")
+
+
+def test_from_input_refuses_autograd():
+    x, weight, qkv_bias, heads, _ = _from_input_case()
+    with pytest.raises(ValueError, match="inference only"):
+        linear_module.linear_from_input(x, weight.requires_grad_(True), qkv_bias, heads)

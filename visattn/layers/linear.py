@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from einops import rearrange
 
 from visattn import ops
 from visattn.layers.base import GridAttention
-from visattn.ops.linear import get_feature_map
+from visattn.ops.linear import get_feature_map, linear_from_input, linear_packed
 
 
 class LinearAttention(GridAttention):
@@ -62,17 +61,44 @@ class LinearAttention(GridAttention):
     def needs_grid(self) -> bool:  # type: ignore[override]
         return self.dwconv is not None
 
+    def project_and_mix(self, x, grid, attn_mask, is_causal) -> torch.Tensor:
+        """Non-causal: without autograd (inference) the mixing is fused with the qkv projection block by
+        block of tokens (:func:`visattn.ops.linear.linear_from_input`), so the (B, N, 3 C) projection is
+        never formed; with autograd and no q/k norm it runs on the projection itself
+        (:func:`visattn.ops.linear.linear_packed`), whose gradient then comes back in one piece."""
+        if is_causal or torch.compiler.is_compiling():
+            return super().project_and_mix(x, grid, attn_mask, is_causal)
+        if not torch.is_grad_enabled():
+            out, values = linear_from_input(
+                x, self.qkv.weight, self.qkv.bias, self.num_heads, self.feature_map,
+                q_norm=self.q_norm, k_norm=self.k_norm, keep_values=True,
+            )
+        elif isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
+            out, values = linear_packed(self.qkv(x), self.num_heads, self.feature_map)
+        else:
+            return super().project_and_mix(x, grid, attn_mask, is_causal)
+        return self._add_locality(out, values, grid)
+
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
         if is_causal and self.dwconv is not None:
             raise ValueError("linear: is_causal=True cannot be combined with dwconv_kernel (the convolution sees later tokens)")
         out = ops.linear(q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size)
+        self._add_locality(out.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2), grid)
+        return out
+
+    def _add_locality(self, out: torch.Tensor, values: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
+        """Adds the depthwise convolution of the patch values over the grid to the patch outputs, in place.
+
+        out, values: (B, N, C), token-major; the values seen as (B, C, H, W) are channels-last, the layout
+        in which the convolution is fastest, and so is its output, which is added back as tokens.
+        """
         if self.dwconv is None:
             return out
         p = self.num_prefix_tokens
-        h, w = grid
-        v_img = rearrange(v[:, :, p:], "b heads (h w) d -> b (heads d) h w", h=h, w=w)
-        local = rearrange(self.dwconv(v_img), "b (heads d) h w -> b heads (h w) d", heads=self.num_heads)
-        return torch.cat([out[:, :, :p], out[:, :, p:] + local], dim=2)
+        v_img = values[:, p:].unflatten(1, grid).permute(0, 3, 1, 2)  # (B, C, H, W)
+        local = self.dwconv(v_img).permute(0, 2, 3, 1).flatten(1, 2)  # (B, H * W, C)
+        out[:, p:] += local
+        return out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", feature_map={self.feature_map!r}"
