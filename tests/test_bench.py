@@ -167,12 +167,24 @@ def test_worker_failures_are_reported_in_their_rows():
 
 def test_bad_arguments_exit_with_a_message(capsys):
     for argv in (["--attn", "nope"], ["--sizes", "0"], ["--model-kwargs", "img_size=3"], ["--attn-kwargs", "[1]"],
-                 ["--sizes", "32", "--train-sizes", "64"]):
+                 ["--sizes", "32", "--train-sizes", "64"], ["--grad-checkpointing", "--modes", "infer"]):
         with pytest.raises(SystemExit):
             bench.main(argv + ["--device", "cpu"])
     err = capsys.readouterr().err
     assert "unknown attention(s) nope" in err
     assert "--train-sizes must be among --sizes" in err
+    assert "--grad-checkpointing applies to the model sweep's train mode" in err
+
+
+def test_grad_checkpointing_training_row(tmp_path):
+    """Gradient checkpointing reaches the worker's model: its training step still runs and is labelled."""
+    out = _run(["--attn", "linear", "--sizes", "32", "--modes", "train", "--grad-checkpointing", "--out", str(tmp_path)]
+               + TINY_MODEL + FAST)
+    assert "gradient checkpointing" in out.splitlines()[0]
+    with open(tmp_path / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["attn"] for r in rows} == {"timm", "floor", "linear"}
+    assert all(float(r["train_samples_per_sec"]) > 0 for r in rows)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -290,6 +302,8 @@ def test_memory_estimate_orders(attn):
 
     assert 4 * params < estimate(512, 1, False) < estimate(512, 1, True)
     assert estimate(512, 1, True) < estimate(1024, 1, True) < estimate(1024, 2, True)
+    checkpointed = estimate_memory(shape, (1024, 1024), attn, options, 1, True, 4, params, grad_checkpointing=True)
+    assert estimate(1024, 1, False) < checkpointed < estimate(1024, 1, True)
 
 
 # ---------------------------------------------------------------------------------------------------

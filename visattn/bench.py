@@ -125,6 +125,7 @@ class Case:
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     num_heads: int = 6
     head_dim: int = 64
+    grad_checkpointing: bool = False  # train mode: timm's set_grad_checkpointing (recompute each block)
 
     @property
     def size_label(self) -> str:
@@ -170,6 +171,7 @@ def _model_step(case: Case) -> tuple[Callable[[], None], int]:
 
         return step, param_count
     model.train()
+    model.set_grad_checkpointing(case.grad_checkpointing)
     target = torch.randint(0, case.num_classes, (case.batch_size,), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -493,7 +495,7 @@ def plan_model_sweep(args: argparse.Namespace) -> list[list[Result]]:
                     kind="model", attn=attn, mode=mode, size=size, batch_size=args.batch_size, device=args.device,
                     dtype=args.dtype, compile=args.compile, attn_kwargs=args.attn_kwargs.get(attn, {}),
                     model_name=args.model, timm_name=args.timm_model, num_classes=args.num_classes,
-                    model_kwargs=args.model_kwargs,
+                    model_kwargs=args.model_kwargs, grad_checkpointing=args.grad_checkpointing,
                 )
                 meta = build_model(case, device="meta")  # also checks the options, before any worker starts
                 shape = ViTShape.from_model(meta)
@@ -503,7 +505,8 @@ def plan_model_sweep(args: argparse.Namespace) -> list[list[Result]]:
                 training = mode == "train"
                 flops = (train_flops if training else vit_flops)(shape, size, cost_attn, options)
                 estimate = estimate_memory(
-                    shape, size, cost_attn, options, args.batch_size, training, _act_bytes(args.dtype), param_count
+                    shape, size, cost_attn, options, args.batch_size, training, _act_bytes(args.dtype), param_count,
+                    grad_checkpointing=args.grad_checkpointing,
                 )
                 grid = shape.grid(size)
                 group.append(Result(case, grid[0] * grid[1], grid, flops, estimate, param_count))
@@ -735,7 +738,8 @@ def markdown_report(results: list[Result], summary: dict[str, Any], fit_points: 
         if ops
         else f"{first.model_name} vs timm {first.timm_name}, batch {first.batch_size}"
     )
-    lines = [f"# visattn-bench: {what}, {first.device}, {first.dtype}{', compiled' if first.compile else ''}", ""]
+    flags = (", compiled" if first.compile else "") + (", gradient checkpointing" if first.grad_checkpointing else "")
+    lines = [f"# visattn-bench: {what}, {first.device}, {first.dtype}{flags}", ""]
     modes = list(dict.fromkeys(r.case.mode for r in results))
     titles = (
         {"infer": "Forward", "train": "Forward + backward"}
@@ -904,6 +908,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="bf16: autocast mixed precision")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (the op in --ops)")
+    p.add_argument(
+        "--grad-checkpointing", action="store_true", help="train mode: recompute each block in the backward (timm's set_grad_checkpointing)"
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds")
     p.add_argument("--min-iters", type=int, default=5, help="timed steps per row, at least")
     p.add_argument("--min-seconds", type=float, default=2.0, help="timed seconds per row, at least")
@@ -938,6 +945,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--warmup and --min-seconds must be >= 0 and --max-seconds > 0")
     if args.calibrate and args.ops:
         parser.error("--calibrate measures the model sweep; it cannot be combined with --ops")
+    if args.grad_checkpointing and (args.ops or "train" not in args.modes):
+        parser.error("--grad-checkpointing applies to the model sweep's train mode; add --modes train, without --ops")
     device = torch.device(args.device)
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         parser.error(f"--device must be cpu or an available cuda device, got {args.device!r}")

@@ -370,6 +370,7 @@ def estimate_memory(
     training: bool,
     act_bytes: int,
     param_count: int,
+    grad_checkpointing: bool = False,
 ) -> int:
     """Bytes a forward (``training=False``) or a training step with AdamW allocates at its peak.
 
@@ -377,6 +378,8 @@ def estimate_memory(
     both norms, of qkv, proj, fc1, and of the GELU and fc2) plus the type's saved tensors, and needs
     one block's working set on top during the backward; inference holds at most one block's live set:
     the MLP stage (``2 N C + 2 N C_mlp``) or the attention stage (``6 N C`` plus the type's buffers).
+    With gradient checkpointing, training keeps only each block's input (``N C``) and, during the
+    backward, one recomputed block's saved activations.
     """
     layout = shape.layout(img_size)
     n, c, hidden = layout.num_tokens, shape.embed_dim, shape.mlp_hidden
@@ -385,7 +388,8 @@ def estimate_memory(
     mlp_stage = (2 * n * c + 2 * n * hidden) * act_bytes
     attention_stage = 6 * n * c * act_bytes + mix.infer
     if training:
-        saved = shape.depth * ((5 * n * c + 2 * n * hidden) * act_bytes + mix.train)
+        block_saved = (5 * n * c + 2 * n * hidden) * act_bytes + mix.train
+        saved = shape.depth * n * c * act_bytes + block_saved if grad_checkpointing else shape.depth * block_saved
         per_image = image + saved + max(mlp_stage, attention_stage)
         return 16 * param_count + shape.depth * mix.shared + batch_size * per_image
     return 4 * param_count + mix.shared + batch_size * (image + max(mlp_stage, attention_stage))
