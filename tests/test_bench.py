@@ -187,6 +187,18 @@ def test_grad_checkpointing_training_row(tmp_path):
     assert all(float(r["train_samples_per_sec"]) > 0 for r in rows)
 
 
+def test_references_can_leave_timm_out(tmp_path):
+    """Without the timm row there is no speed-up over timm and no crossover, but % of floor stays."""
+    _run(["--attn", "linear", "--sizes", "32", "48", "--modes", "infer", "--references", "floor", "--out", str(tmp_path)]
+         + TINY_MODEL + FAST)
+    with open(tmp_path / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["attn"] for r in rows] == ["floor", "linear", "floor", "linear"]
+    assert all(r["infer_speedup_vs_timm"] == "" and float(r["infer_pct_of_floor"]) > 0 for r in rows)
+    with open(tmp_path / "bench_summary.json") as f:
+        assert json.load(f)["crossover"] == {}
+
+
 # ---------------------------------------------------------------------------------------------------
 # FLOP formulas
 

@@ -3,8 +3,10 @@
 Model sweep (default): for each image size, every selected attention type is built into the same
 backbone (``--model``, default ``visattn_vit_small_patch16``) next to two references: ``timm``, timm's
 stock ViT of the same shape with its fused softmax attention (``vit_small_patch16_224`` built with the
-image size), and ``floor``, the layer that mixes no tokens (the speed limit). Each row is timed in
-inference (forward under ``inference_mode``) and in training (forward, backward, AdamW step).
+image size), and ``floor``, the layer that mixes no tokens (the speed limit); ``--references`` can
+leave either out, e.g. timm at sizes where one of its steps would take an hour. Each row is timed in
+inference (forward under ``inference_mode``) and in training (forward, backward, AdamW step), the
+latter optionally with gradient checkpointing (``--grad-checkpointing``).
 
 How it is measured
 ------------------
@@ -483,7 +485,7 @@ def _act_bytes(dtype: str) -> int:
 
 def plan_model_sweep(args: argparse.Namespace) -> list[list[Result]]:
     """The results to fill, one list per image size: rows timm, floor, the types; each in every mode."""
-    rows = [TIMM, FLOOR] + [a for a in args.attn if a != FLOOR]
+    rows = [r for r in (TIMM, FLOOR) if r in args.references] + [a for a in args.attn if a != FLOOR]
     plan = []
     for size in args.sizes:
         group = []
@@ -684,7 +686,7 @@ def summarize(results: list[Result], fit_points: int) -> dict[str, Any]:
                 "time": _round(fit_exponent(tokens, [r.step_time for r in mine], fit_points)),
                 "memory": _round(fit_exponent(tokens, [r.activation_bytes for r in mine], fit_points)),
             }
-            if attn != reference:
+            if attn != reference and reference in attns:
                 points = [(r.tokens, r.step_time, _reference(results, reference, r).step_time) for r in mine]
                 summary["crossover"].setdefault(attn, {})[mode] = crossover_tokens(points)
     return summary
@@ -891,7 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="also write the calibration of attn='auto' for --model")
     p.add_argument("--model", default=DEFAULT_MODEL, help="visattn model (timm name)")
     p.add_argument("--timm-model", help="timm's stock reference model; default: --model without 'visattn_', with '_224'")
-    p.add_argument("--attn", nargs="+", default=list_attentions(), help="attention types (timm and floor are always measured)")
+    p.add_argument("--attn", nargs="+", default=list_attentions(), help="attention types (the references timm and floor are added, see --references)")
     p.add_argument("--attn-kwargs", type=_attn_kwargs, default={}, help='type options as JSON, e.g. \'{"linformer": {"k": 64}}\'')
     p.add_argument("--model-kwargs", type=_key_value, nargs="*", default=[], metavar="KEY=VALUE", help="passed to both models, e.g. depth=6")
     p.add_argument("--sizes", type=_size, nargs="+", default=[_size(s) for s in DEFAULT_SIZES], help="image sizes: N or HxW")
@@ -908,6 +910,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="bf16: autocast mixed precision")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (the op in --ops)")
+    p.add_argument(
+        "--references", nargs="*", choices=[TIMM, FLOOR], default=[TIMM, FLOOR],
+        help="reference rows of the model sweep; leave timm out where its step would take too long",
+    )
     p.add_argument(
         "--grad-checkpointing", action="store_true", help="train mode: recompute each block in the backward (timm's set_grad_checkpointing)"
     )
