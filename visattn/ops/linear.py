@@ -95,7 +95,11 @@ class _TokenBlocks:
     def __init__(self, batch: int, heads: int, n: int, d: int, device: torch.device) -> None:
         self.n = n
         self.step = min(n, max(16, _BLOCK_ELEMENTS // (batch * heads * d)))
-        self.buffers = [torch.empty(batch, heads, self.step, d, dtype=torch.float32, device=device) for _ in range(2)]
+        # token-major in memory, as q, k, v come (views of a projection): elementwise passes between them
+        # then run over whole tokens of heads x d contiguous values, not rows of d
+        self.buffers = [
+            torch.empty(batch, self.step, heads, d, dtype=torch.float32, device=device).transpose(1, 2) for _ in range(2)
+        ]
 
     @classmethod
     def like(cls, t: torch.Tensor) -> "_TokenBlocks":
