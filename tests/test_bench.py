@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import importlib.util
 import io
 import json
 import logging
 import math
 import re
+from pathlib import Path
 
 import pytest
 import timm
@@ -32,7 +34,7 @@ from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
 
 TINY_MODEL = ["--model-kwargs", "embed_dim=32", "depth=1", "num_heads=2", "--num-classes", "10"]
-FAST = ["--min-iters", "1", "--min-seconds", "0", "--warmup", "0"]
+FAST = ["--min-iters", "1", "--min-seconds", "0", "--warmup", "0", "--settle", "0"]
 # Estimates at 32 and 64 px are well below 5 MB; at 1024 px the input image alone is 12 MB.
 MAX_MEMORY_GB = "0.005"
 
@@ -167,13 +169,14 @@ def test_worker_failures_are_reported_in_their_rows():
 
 def test_bad_arguments_exit_with_a_message(capsys):
     for argv in (["--attn", "nope"], ["--sizes", "0"], ["--model-kwargs", "img_size=3"], ["--attn-kwargs", "[1]"],
-                 ["--sizes", "32", "--train-sizes", "64"], ["--grad-checkpointing", "--modes", "infer"]):
+                 ["--sizes", "32", "--train-sizes", "64"], ["--grad-checkpointing", "--modes", "infer"], ["--settle", "-1"]):
         with pytest.raises(SystemExit):
             bench.main(argv + ["--device", "cpu"])
     err = capsys.readouterr().err
     assert "unknown attention(s) nope" in err
     assert "--train-sizes must be among --sizes" in err
     assert "--grad-checkpointing applies to the model sweep's train mode" in err
+    assert "--warmup, --min-seconds and --settle must be >= 0" in err
 
 
 def test_grad_checkpointing_training_row(tmp_path):
@@ -185,6 +188,13 @@ def test_grad_checkpointing_training_row(tmp_path):
         rows = list(csv.DictReader(f))
     assert {r["attn"] for r in rows} == {"timm", "floor", "linear"}
     assert all(float(r["train_samples_per_sec"]) > 0 for r in rows)
+
+
+def test_every_step_follows_a_settle_pause(tmp_path, monkeypatch):
+    pauses = []
+    monkeypatch.setattr(bench.time, "sleep", pauses.append)
+    _run(["--attn", "linear", "--sizes", "32", "--modes", "infer", "--out", str(tmp_path)] + TINY_MODEL + FAST[:-1] + ["0.25"])
+    assert pauses == [0.25] * 3  # timm, floor, linear: one timed step each
 
 
 def test_references_can_leave_timm_out(tmp_path):
@@ -413,3 +423,15 @@ def test_patch_size_of_names():
     assert auto.patch_size_of("vit_small_patch8_224") == (8, 8)
     with pytest.raises(ValueError, match="cannot tell the patch size"):
         auto.patch_size_of("resnet50")
+
+
+def test_profile_block_script_reports_each_type(capsys):
+    """scripts/profile_block.py: one line of block time against floor, then the top operators, per type."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_block.py"
+    spec = importlib.util.spec_from_file_location("profile_block", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--attn", "linear", "axial", "--size", "64", "--repeats", "1", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    for attn in ("linear", "axial"):
+        assert re.search(rf"## {attn}: [\d.]+ ms per block, floor [\d.]+ ms: \d+% of floor\n(  .+ ms  x\d+\n){{2}}", out)

@@ -18,8 +18,11 @@ How it is measured
   next size; the parent drives interleaved rounds (A B C A B C ...): each worker in turn runs one step,
   timed inside the worker, and reports back. Drift of a shared machine thus hits every row alike. Idle
   OpenMP threads sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE`` unless set), so that a waiting
-  worker takes no CPU from the one being timed and no type is penalised for its many small ops. After ``--warmup`` untimed rounds, a row
-  is timed until it has ``--min-iters`` steps and ``--min-seconds`` of timed steps, or once its timed
+  worker takes no CPU from the one being timed and no type is penalised for its many small ops. Before
+  each step the parent waits ``--settle`` seconds, so that the previous worker's step has faded from
+  the machine (on a 2-core VM, a step of many small ops that directly followed a long softmax step of
+  another worker ran up to 15% slower; the pause removes that dependence on the row order). After
+  ``--warmup`` untimed rounds, a row is timed until it has ``--min-iters`` steps and ``--min-seconds`` of timed steps, or once its timed
   steps exceed ``--max-seconds``. Rows report the median step.
 * Workers whose memory estimates do not fit the machine together (80% of RAM, 90% of the GPU) run in
   consecutive groups; a configuration whose own estimate exceeds ``--max-memory`` (default: the same
@@ -325,6 +328,7 @@ class Timing:
     min_iters: int
     min_seconds: float
     max_seconds: float
+    settle: float = 0.0  # seconds of rest before each step
 
     def needs_more(self, times: list[float]) -> bool:
         total = sum(times)
@@ -408,6 +412,7 @@ def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None
 
     def run_round(rows: list[_Worker], timed: bool) -> None:
         for w in rows:
+            time.sleep(timing.settle)
             reply = w.ask("step")
             if reply[0] == "time":
                 if timed:
@@ -921,6 +926,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-iters", type=int, default=5, help="timed steps per row, at least")
     p.add_argument("--min-seconds", type=float, default=2.0, help="timed seconds per row, at least")
     p.add_argument("--max-seconds", type=float, default=120.0, help="stop timing a row past this many timed seconds")
+    p.add_argument("--settle", type=float, default=0.5, help="seconds of rest before each step, so rows do not disturb each other")
     p.add_argument(
         "--max-memory", type=float,
         help="GB a configuration may use by estimate, else it is skipped; default: 80%% of RAM (CPU), 90%% of the GPU",
@@ -947,8 +953,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("batch_size", "num_classes", "heads", "head_dim", "min_iters", "fit_points"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0 or args.min_seconds < 0 or args.max_seconds <= 0:
-        parser.error("--warmup and --min-seconds must be >= 0 and --max-seconds > 0")
+    if args.warmup < 0 or args.min_seconds < 0 or args.settle < 0 or args.max_seconds <= 0:
+        parser.error("--warmup, --min-seconds and --settle must be >= 0 and --max-seconds > 0")
     if args.calibrate and args.ops:
         parser.error("--calibrate measures the model sweep; it cannot be combined with --ops")
     if args.grad_checkpointing and (args.ops or "train" not in args.modes):
@@ -978,7 +984,7 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
     from tqdm import tqdm
 
     plan = plan_ops_sweep(args) if args.ops else plan_model_sweep(args)
-    timing = Timing(args.warmup, args.min_iters, args.min_seconds, args.max_seconds)
+    timing = Timing(args.warmup, args.min_iters, args.min_seconds, args.max_seconds, args.settle)
     with tqdm(total=sum(len(g) for g in plan), unit="config", file=sys.stderr, dynamic_ncols=True) as progress:
         for group in plan:
             measure(group, timing, args.max_memory_bytes, args.capacity_bytes, progress)
