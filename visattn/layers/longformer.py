@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from visattn import ops
 from visattn.layers.base import GridAttention
-from visattn.ops.local import check_nonnegative_int
+from visattn.ops._checks import check_nonnegative_int
 from visattn.ops.longformer import check_local_options
 
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 
 from visattn.layers.base import GridAttention
-from visattn.ops._checks import check_positive_int
-from visattn.ops.local import blocked_axis, check_nonnegative_int, tiled_local_attention
+from visattn.ops._checks import check_nonnegative_int, check_positive_int
+from visattn.ops.local import blocked_axis, tiled_local_attention
 
 
 class SparseAttention(GridAttention):

@@ -45,6 +45,11 @@ def check_grid(grid: tuple[int, int], num_tokens: int, num_prefix_tokens: int, o
     return h, w
 
 
+def check_nonnegative_int(value: int, name: str, op: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{op}: {name} must be an integer >= 0, got {value!r}")
+
+
 def check_positive_int(value: int, name: str, op: str, odd: bool = False) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (odd and value % 2 == 0):
         kind = "an odd integer >= 1" if odd else "an integer >= 1"

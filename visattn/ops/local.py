@@ -208,8 +208,3 @@ def local_on_grid(
     """:func:`tiled_local_attention` on the grid layout: q, k, v (B, heads, H, W, d) -> (B, heads, H, W, d_v)."""
     flat = (t.flatten(2, 3) for t in (q, k, v))  # (B, heads, H * W, d)
     return tiled_local_attention(*flat, rows, cols, dropout_p=dropout_p, scale=scale).unflatten(2, q.shape[2:4])
-
-
-def check_nonnegative_int(value: int, name: str, op: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{op}: {name} must be an integer >= 0, got {value!r}")

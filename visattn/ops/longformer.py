@@ -11,15 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_grid, check_positive_int, check_qkv
+from visattn.ops._checks import check_grid, check_nonnegative_int, check_positive_int, check_qkv
 from visattn.ops._reference import masked_attention_reference
-from visattn.ops.local import (
-    AxisPlan,
-    blocked_axis,
-    check_nonnegative_int,
-    neighborhood_axis,
-    tiled_local_attention,
-)
+from visattn.ops.local import AxisPlan, blocked_axis, neighborhood_axis, tiled_local_attention
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_positive_int, check_qkv_grid
+from visattn.ops._checks import check_nonnegative_int, check_positive_int, check_qkv_grid
 from visattn.ops._reference import masked_attention_reference
-from visattn.ops.local import blocked_axis, check_nonnegative_int, local_on_grid
+from visattn.ops.local import blocked_axis, local_on_grid
 
 
 def sparse(
