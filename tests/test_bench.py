@@ -190,11 +190,16 @@ def test_grad_checkpointing_training_row(tmp_path):
     assert all(float(r["train_samples_per_sec"]) > 0 for r in rows)
 
 
-def test_every_step_follows_a_settle_pause(tmp_path, monkeypatch):
+@pytest.mark.parametrize("settle", [0.0, 1e-6, 10.0])
+def test_every_step_rests_as_long_as_the_previous_one_at_most_settle(tmp_path, monkeypatch, settle):
     pauses = []
     monkeypatch.setattr(bench.time, "sleep", pauses.append)
-    _run(["--attn", "linear", "--sizes", "32", "--modes", "infer", "--out", str(tmp_path)] + TINY_MODEL + FAST[:-1] + ["0.25"])
-    assert pauses == [0.25] * 3  # timm, floor, linear: one timed step each
+    _run(["--attn", "linear", "--sizes", "32", "--modes", "infer", "--out", str(tmp_path)] + TINY_MODEL + FAST[:-1] + [str(settle)])
+    with open(tmp_path / "bench.csv") as f:
+        step_seconds = [float(r["infer_step_time"]) / 1000 for r in csv.DictReader(f)]  # timm, floor, linear
+    assert pauses[0] == 0.0 and len(pauses) == 3
+    for pause, previous in zip(pauses[1:], step_seconds):
+        assert pause == pytest.approx(min(settle, previous), rel=1e-3, abs=1e-9)
 
 
 def test_references_can_leave_timm_out(tmp_path):
@@ -416,10 +421,14 @@ def test_auto_model_builds_the_selected_type(tmp_path, monkeypatch):
     small = timm.create_model("visattn_vit_small_patch16", attn="auto", img_size=32, **kwargs)  # 4 tokens
     large = timm.create_model("visattn_vit_small_patch16", attn="auto", img_size=64, **kwargs)  # 16 tokens
     assert small.blocks[0].attn.name == "softmax" and large.blocks[0].attn.name == "axial"
+    # the model's own patch size counts: 32 px in 4 x 4 patches is 64 tokens
+    fine = timm.create_model("visattn_vit_small_patch16", attn="auto", img_size=32, patch_size=4, **kwargs)
+    assert fine.blocks[0].attn.name == "axial"
 
 
 def test_patch_size_of_names():
     assert auto.num_patch_tokens("visattn_vit_base_patch16", (224, 320)) == 14 * 20
+    assert auto.num_patch_tokens("visattn_vit_base_patch16", (224, 320), patch_size=(8, 8)) == 28 * 40
     assert auto.patch_size_of("vit_small_patch8_224") == (8, 8)
     with pytest.raises(ValueError, match="cannot tell the patch size"):
         auto.patch_size_of("resnet50")
@@ -435,3 +444,17 @@ def test_profile_block_script_reports_each_type(capsys):
     out = capsys.readouterr().out
     for attn in ("linear", "axial"):
         assert re.search(rf"## {attn}: [\d.]+ ms per block, floor [\d.]+ ms: \d+% of floor\n(  .+ ms  x\d+\n){{2}}", out)
+
+
+def test_crossover_not_reached_names_the_largest_size_of_its_mode():
+    def result(attn: str, mode: str, tokens: int, seconds: float) -> bench.Result:
+        case = bench.Case(kind="model", attn=attn, mode=mode, size=(tokens, tokens), batch_size=1, device="cpu",
+                          dtype="fp32", compile=False)
+        r = bench.Result(case, tokens, (1, tokens), flops=1, estimate_bytes=0, param_count=0)
+        r.times = [seconds]
+        return r
+
+    results = [result(attn, "infer", n, t) for n in (100, 400) for attn, t in (("timm", 1.0), ("slow", 2.0))]
+    results += [result(attn, "train", 100, t) for attn, t in (("timm", 1.0), ("slow", 2.0))]
+    report = bench.markdown_report(results, bench.summarize(results, 3), 3)
+    assert "| slow | not up to 400 | not up to 100 |" in report

@@ -55,8 +55,9 @@ def patch_size_of(model_name: str) -> tuple[int, int]:
     return (p, p)
 
 
-def num_patch_tokens(model_name: str, img_size: tuple[int, int]) -> int:
-    ph, pw = patch_size_of(model_name)
+def num_patch_tokens(model_name: str, img_size: tuple[int, int], patch_size: tuple[int, int] | None = None) -> int:
+    """Patch tokens of ``img_size`` (height, width) with ``patch_size``, by default the model's own."""
+    ph, pw = patch_size or patch_size_of(model_name)
     return (int(img_size[0]) // ph) * (int(img_size[1]) // pw)
 
 
@@ -129,13 +130,16 @@ def _calibrated_thresholds(model_name: str, path: Path) -> list[tuple[int, str]]
     return sorted(thresholds)
 
 
-def select_attention(model_name: str, img_size: tuple[int, int]) -> str:
+def select_attention(
+    model_name: str, img_size: tuple[int, int], patch_size: tuple[int, int] | None = None
+) -> str:
     """The fastest attention type for ``model_name`` on images of ``img_size`` (height, width) pixels.
 
-    Uses this machine's calibration of the model if there is one, else :data:`DEFAULT_THRESHOLDS`; the
-    choice is logged at INFO level.
+    The choice goes by patch tokens, counted with ``patch_size`` (a model built with another patch size
+    than its name's) or else the name's. Uses this machine's calibration of the model if there is one,
+    else :data:`DEFAULT_THRESHOLDS`; the choice is logged at INFO level.
     """
-    tokens = num_patch_tokens(model_name, img_size)
+    tokens = num_patch_tokens(model_name, img_size, patch_size)
     path = calibration_path()
     thresholds = _calibrated_thresholds(model_name, path)
     source = f"calibration {path}" if thresholds else "built-in defaults"

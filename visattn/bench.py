@@ -19,9 +19,10 @@ How it is measured
   timed inside the worker, and reports back. Drift of a shared machine thus hits every row alike. Idle
   OpenMP threads sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE`` unless set), so that a waiting
   worker takes no CPU from the one being timed and no type is penalised for its many small ops. Before
-  each step the parent waits ``--settle`` seconds, so that the previous worker's step has faded from
-  the machine (on a 2-core VM, a step of many small ops that directly followed a long softmax step of
-  another worker ran up to 15% slower; the pause removes that dependence on the row order). After
+  each step the parent rests as long as the previous step took, at most ``--settle`` seconds, so that
+  the previous worker's step has faded from the machine (on a 2-core VM, a step of many small ops that
+  directly followed a long softmax step of another worker ran up to 15% slower; the rest removes that
+  dependence on the row order, and costs little where steps are short). After
   ``--warmup`` untimed rounds, a row is timed until it has ``--min-iters`` steps and ``--min-seconds`` of timed steps, or once its timed
   steps exceed ``--max-seconds``. Rows report the median step.
 * Workers whose memory estimates do not fit the machine together (80% of RAM, 90% of the GPU) run in
@@ -410,11 +411,14 @@ def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None
         else:
             w.fail(*reply[1:])
 
+    rest = [0.0]  # before each step, as long as the previous step took, at most timing.settle
+
     def run_round(rows: list[_Worker], timed: bool) -> None:
         for w in rows:
-            time.sleep(timing.settle)
+            time.sleep(rest[0])
             reply = w.ask("step")
             if reply[0] == "time":
+                rest[0] = min(timing.settle, reply[1])
                 if timed:
                     w.result.times.append(reply[1])
             else:
@@ -774,11 +778,11 @@ def markdown_report(results: list[Result], summary: dict[str, Any], fit_points: 
     )
     reference = summary["crossover_reference"]
     lines += [f"## Crossover: smallest token count from which the type beats {reference} at every larger size", ""]
-    largest = max(r.tokens for r in results)
+    largest = {m: max(r.tokens for r in results if r.case.mode == m) for m in modes}
     lines += _markdown_table(
         ["attn"] + modes,
         (
-            {"attn": attn} | {m: str(by_mode[m]) if by_mode[m] is not None else f"not up to {largest}" for m in modes}
+            {"attn": attn} | {m: str(by_mode[m]) if by_mode[m] is not None else f"not up to {largest[m]}" for m in modes}
             for attn, by_mode in summary["crossover"].items()
         ),
     )
@@ -799,6 +803,7 @@ def plot(results: list[Result], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     ops = results[0].case.kind == "op"
     modes = list(dict.fromkeys(r.case.mode for r in results))
@@ -819,9 +824,12 @@ def plot(results: list[Result], path: Path) -> None:
                 ax_mem.plot(*zip(*mem), **kwargs)
         ax_speed.set_ylabel("ms per step" if ops else "images / s")
         ax_mem.set_ylabel("peak memory (MB)")
+        measured = sorted({r.tokens for r in results if r.case.mode == mode})
         for ax, what in ((ax_speed, "speed"), (ax_mem, "peak memory")):
             ax.set_xscale("log")
             ax.set_yscale("log")
+            ax.set_xticks(measured, [str(t) for t in measured])  # the measured sizes, not crowded minor ticks
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("tokens")
             ax.set_title(f"{mode}: {what}")
             ax.grid(True, which="both", alpha=0.3)
@@ -926,7 +934,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-iters", type=int, default=5, help="timed steps per row, at least")
     p.add_argument("--min-seconds", type=float, default=2.0, help="timed seconds per row, at least")
     p.add_argument("--max-seconds", type=float, default=120.0, help="stop timing a row past this many timed seconds")
-    p.add_argument("--settle", type=float, default=0.5, help="seconds of rest before each step, so rows do not disturb each other")
+    p.add_argument("--settle", type=float, default=0.5, help="rest before each step: as long as the previous step took, at most this many seconds")
     p.add_argument(
         "--max-memory", type=float,
         help="GB a configuration may use by estimate, else it is skipped; default: 80%% of RAM (CPU), 90%% of the GPU",

@@ -77,7 +77,8 @@ def _create_visattn_vit(
         if attn == "auto":
             from visattn.auto import select_attention
 
-            names = select_attention(variant, tuple(model.patch_embed.img_size))
+            embed = model.patch_embed
+            names = select_attention(variant, tuple(embed.img_size), tuple(embed.patch_size))
         return convert(model, names, **attn_kwargs)
 
     out_indices = kwargs.pop("out_indices", 3)
