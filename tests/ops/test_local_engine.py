@@ -7,6 +7,8 @@ import importlib
 import pytest
 import torch
 
+import visattn
+
 from tests.helpers import assert_rms_close, grads_of
 from visattn.ops._reference import masked_attention_reference
 from visattn.ops.local import blocked_axis, neighborhood_axis, tiled_local_attention
@@ -114,3 +116,38 @@ def test_a_window_of_one_key_returns_v_exactly(window, p):
     assert torch.count_nonzero(dq[:, :, p:]) == 0  # a softmax over one key has no gradient
     if p == 0:
         assert torch.count_nonzero(dk) == 0
+
+
+@pytest.mark.parametrize("name", ["neighborhood", "sparse", "longformer"])
+def test_training_after_an_inference_mode_forward(name):
+    """The cached plans of an evaluation under torch.inference_mode never reach a training step: a
+    validate-then-train loop runs, and the gradients equal those of a fresh layer."""
+    grid, p = (6, 7), 1
+    x = torch.randn(2, p + grid[0] * grid[1], 16)
+
+    def layer() -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = visattn.get_attention(name)(16, num_heads=2, **({"block_size": 3} if name == "sparse" else {}))
+        m.set_grid(grid, p)
+        return m
+
+    evaluated, fresh = layer(), layer()
+    with torch.inference_mode():
+        evaluated(x)
+    grads = []
+    for m in (evaluated, fresh):
+        m(x).square().sum().backward()
+        grads.append([t.grad for t in m.parameters()])
+    for g, g_ref in zip(*grads):
+        torch.testing.assert_close(g, g_ref)
+
+
+def test_a_window_of_one_key_applies_dropout():
+    """Dropout on the single softmax weight: each output is 0 or v / (1 - p), and not all of them v."""
+    q, k, v = (torch.randn(2, 2, 5 * 6, 8) for _ in range(3))
+    rows, cols = _plans(("neighborhood", 1, 2), (5, 6))
+    torch.manual_seed(0)
+    out = tiled_local_attention(q, k, v, rows, cols, 0, dropout_p=0.5)
+    kept = (out != 0).all(dim=-1, keepdim=True)
+    assert 0 < kept.float().mean() < 1
+    torch.testing.assert_close(out, torch.where(kept, v / 0.5, torch.zeros_like(v)))

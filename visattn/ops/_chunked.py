@@ -9,14 +9,33 @@ for training.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, wraps
 
 import torch
 import torch.nn.functional as F
 
 # A chunk's gathered keys (and values, and queries) hold about this many values each.
 CHUNK_ELEMENTS = 1 << 20
+
+
+def cache_per_inference_mode(maxsize: int) -> Callable[[Callable], Callable]:
+    """``lru_cache`` that also keys on whether ``torch.inference_mode`` is on: tensors made in inference
+    mode cannot be saved for backward, so a plan built during an evaluation must not serve a later
+    training step (nor the other way round)."""
+
+    def wrap(fn: Callable) -> Callable:
+        cached = lru_cache(maxsize=maxsize)(lambda inference, *args: fn(*args))
+
+        @wraps(fn)
+        def call(*args):
+            # a compiled graph traces without inference mode (and dynamo cannot read the flag)
+            return cached(not torch.compiler.is_compiling() and torch.is_inference_mode_enabled(), *args)
+
+        return call
+
+    return wrap
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,7 +63,7 @@ class _Chunk:
     out_rows: torch.Tensor  # (B * kept slots,) output row of each kept slot
 
 
-@lru_cache(maxsize=64)
+@cache_per_inference_mode(maxsize=64)
 def _chunks(seqs: Sequences, per_chunk: int, batch: int, num_tokens: int) -> tuple[_Chunk, ...]:
     """The chunks of ``per_chunk`` sequences, as row indices into the (B * N, .) token matrix."""
     offset = torch.arange(batch, device=seqs.q_index.device)[:, None] * num_tokens  # (B, 1)

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from visattn.ops._chunked import Sequences, attend_in_chunks
+from visattn.ops._chunked import Sequences, attend_in_chunks, cache_per_inference_mode
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,7 +61,7 @@ class AxisPlan:
         return (lo <= keys) & (keys < hi)
 
 
-@lru_cache(maxsize=64)
+@cache_per_inference_mode(maxsize=64)
 def neighborhood_axis(length: int, kernel_size: int, tile: int, device: torch.device) -> AxisPlan:
     """NATTEN windows: query i sees ``[s, s + k)`` with ``s = clamp(i - k // 2, 0, length - k)``, i.e. the
     window is shifted inward at the borders so every query sees exactly k keys. A kernel wider than the
@@ -78,7 +77,7 @@ def neighborhood_axis(length: int, kernel_size: int, tile: int, device: torch.de
     return AxisPlan(length, tile, region, start, lo, lo + k, self_only=k == 1)
 
 
-@lru_cache(maxsize=64)
+@cache_per_inference_mode(maxsize=64)
 def blocked_axis(length: int, block_size: int, halo: int, device: torch.device) -> AxisPlan:
     """HaloNet windows: the queries of block ``[s, s + b)`` see ``[s - halo, s + b + halo)`` cut to the
     axis; the last block may be partial. One tile is one block."""
@@ -105,7 +104,7 @@ class _TileLayout:
     self_only: bool  # every patch sees only itself: its softmax weight is 1, its output its own value
 
 
-@lru_cache(maxsize=32)
+@cache_per_inference_mode(maxsize=32)
 def _tile_layout(
     rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_visible: bool, dtype: torch.dtype
 ) -> _TileLayout:
@@ -172,7 +171,8 @@ def tiled_local_attention(
         # softmax over the one key, the query's own: weight exp(s - s) = 1 and gradient 0, both exactly
         # (the fused kernel's backward would leave rounding noise where the gradient is exactly zero)
         scores = (q[:, :, p:] * k[:, :, p:]).sum(dim=-1, keepdim=True)
-        out = (v[:, :, p:] * (scores - scores).exp()).transpose(1, 2)  # (B, H * W, heads, d_v)
+        weight = F.dropout((scores - scores).exp(), dropout_p) if dropout_p else (scores - scores).exp()
+        out = (v[:, :, p:] * weight).transpose(1, 2)  # (B, H * W, heads, d_v)
     else:
         T, L, S = layout.seqs.kv_index.shape[0], layout.seqs.q_index.shape[1], layout.seqs.kv_index.shape[1]
 
