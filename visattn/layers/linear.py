@@ -83,8 +83,11 @@ class LinearAttention(GridAttention):
         if is_causal and self.dwconv is not None:
             raise ValueError("linear: is_causal=True cannot be combined with dwconv_kernel (the convolution sees later tokens)")
         out = ops.linear(q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size)
-        self._add_locality(out.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2), grid)
-        return out
+        if self.dwconv is None:
+            return out
+        # (B, N, C): a view when the op's output is token-major, a copy otherwise (a compiled graph)
+        merged = self._add_locality(out.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2), grid)
+        return merged.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
 
     def _add_locality(self, out: torch.Tensor, values: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
         """Adds the depthwise convolution of the patch values over the grid to the patch outputs, in place.
