@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=2048, help="image side in pixels")
     parser.add_argument("--model", default="visattn_vit_small_patch16")
     parser.add_argument("--mode", choices=["infer", "train"], default="infer", help="train: forward + backward")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per type, interleaved with floor")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per type, and for floor's block just before it")
     parser.add_argument("--top", type=int, default=6, help="operators listed per type")
     args = parser.parse_args(argv)
     training = args.mode == "train"

@@ -169,7 +169,7 @@ def test_worker_failures_are_reported_in_their_rows():
 
 def test_bad_arguments_exit_with_a_message(capsys):
     for argv in (["--attn", "nope"], ["--sizes", "0"], ["--model-kwargs", "img_size=3"], ["--attn-kwargs", "[1]"],
-                 ["--sizes", "32", "--train-sizes", "64"], ["--grad-checkpointing", "--modes", "infer"], ["--settle", "-1"]):
+                 ["--sizes", "32", "--train-sizes", "64"], ["--grad-checkpointing", "--modes", "infer"], ["--settle", "-1"], ["--settle", "nan"]):
         with pytest.raises(SystemExit):
             bench.main(argv + ["--device", "cpu"])
     err = capsys.readouterr().err

@@ -4,7 +4,7 @@ Model sweep (default): for each image size, every selected attention type is bui
 backbone (``--model``, default ``visattn_vit_small_patch16``) next to two references: ``timm``, timm's
 stock ViT of the same shape with its fused softmax attention (``vit_small_patch16_224`` built with the
 image size), and ``floor``, the layer that mixes no tokens (the speed limit); ``--references`` can
-leave either out, e.g. timm at sizes where one of its steps would take an hour. Each row is timed in
+leave either out, e.g. timm in a run at sizes where one of its steps would take an hour. Each row is timed in
 inference (forward under ``inference_mode``) and in training (forward, backward, AdamW step), the
 latter optionally with gradient checkpointing (``--grad-checkpointing``).
 
@@ -494,7 +494,8 @@ def _act_bytes(dtype: str) -> int:
 
 def plan_model_sweep(args: argparse.Namespace) -> list[list[Result]]:
     """The results to fill, one list per image size: rows timm, floor, the types; each in every mode."""
-    rows = [r for r in (TIMM, FLOOR) if r in args.references] + [a for a in args.attn if a != FLOOR]
+    references = [r for r in (TIMM, FLOOR) if r in args.references]
+    rows = references + [a for a in args.attn if a not in references]
     plan = []
     for size in args.sizes:
         group = []
@@ -961,7 +962,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("batch_size", "num_classes", "heads", "head_dim", "min_iters", "fit_points"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0 or args.min_seconds < 0 or args.settle < 0 or args.max_seconds <= 0:
+    seconds = (args.min_seconds, args.settle, args.max_seconds)
+    if args.warmup < 0 or not all(map(math.isfinite, seconds)) or min(seconds[:2]) < 0 or args.max_seconds <= 0:
         parser.error("--warmup, --min-seconds and --settle must be >= 0 and --max-seconds > 0")
     if args.calibrate and args.ops:
         parser.error("--calibrate measures the model sweep; it cannot be combined with --ops")
