@@ -22,8 +22,8 @@ How it is measured
   each step the parent rests as long as the previous step took, at most ``--settle`` seconds, so that
   the previous worker's step has faded from the machine (on a 2-core VM, a step of many small ops that
   directly followed a long softmax step of another worker ran up to 15% slower; the rest removes that
-  dependence on the row order, and costs little where steps are short). After
-  ``--warmup`` untimed rounds, a row is timed until it has ``--min-iters`` steps and ``--min-seconds`` of timed steps, or once its timed
+  dependence on the row order, and costs little where steps are short). After ``--warmup`` untimed
+  rounds, a row is timed until it has ``--min-iters`` steps and ``--min-seconds`` of timed steps, or once its timed
   steps exceed ``--max-seconds``. Rows report the median step.
 * Workers whose memory estimates do not fit the machine together (80% of RAM, 90% of the GPU) run in
   consecutive groups; a configuration whose own estimate exceeds ``--max-memory`` (default: the same
@@ -411,14 +411,15 @@ def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None
         else:
             w.fail(*reply[1:])
 
-    rest = [0.0]  # before each step, as long as the previous step took, at most timing.settle
+    rest = 0.0  # before each step, as long as the previous step took, at most timing.settle
 
     def run_round(rows: list[_Worker], timed: bool) -> None:
+        nonlocal rest
         for w in rows:
-            time.sleep(rest[0])
+            time.sleep(rest)
             reply = w.ask("step")
             if reply[0] == "time":
-                rest[0] = min(timing.settle, reply[1])
+                rest = min(timing.settle, reply[1])
                 if timed:
                     w.result.times.append(reply[1])
             else:
@@ -962,8 +963,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("batch_size", "num_classes", "heads", "head_dim", "min_iters", "fit_points"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    seconds = (args.min_seconds, args.settle, args.max_seconds)
-    if args.warmup < 0 or not all(map(math.isfinite, seconds)) or min(seconds[:2]) < 0 or args.max_seconds <= 0:
+    finite = all(math.isfinite(s) for s in (args.min_seconds, args.settle, args.max_seconds))
+    if not finite or args.warmup < 0 or args.min_seconds < 0 or args.settle < 0 or args.max_seconds <= 0:
         parser.error("--warmup, --min-seconds and --settle must be >= 0 and --max-seconds > 0")
     if args.calibrate and args.ops:
         parser.error("--calibrate measures the model sweep; it cannot be combined with --ops")
