@@ -8,6 +8,7 @@ from timm.models.vision_transformer import Block
 
 from tests.helpers import assert_rms_close
 from visattn import get_attention, ops
+from visattn.layers import GridAttention
 from visattn.layers.axial import AxialAttention
 from visattn.layers.linformer import LinformerAttention
 from visattn.ops.linformer import area_pooling_projection
@@ -51,10 +52,10 @@ def test_layer_equals_op(name, grid, p):
     b, n, _ = x.shape
     q, k, v = layer.qkv(x).reshape(b, n, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)  # (B, heads, N, d)
     if name == "axial":
-        mixed = ops.axial(q, k, v, grid, p)
+        mixed = ops.axial_attn(q, k, v, grid, p)
     else:
         proj_k, proj_v = (ops.resample_projection(w, (4, 4), grid) for w in (layer.proj_k, layer.proj_v))
-        mixed = ops.linformer(q, k, v, proj_k, proj_v, p)
+        mixed = ops.linformer_attn(q, k, v, proj_k, proj_v, p)
     expected = layer.proj(mixed.transpose(1, 2).reshape(b, n, DIM))
     assert_rms_close(layer(x), expected, 1e-5)
 
@@ -135,8 +136,6 @@ def test_linformer_bad_options_raise(options):
 
 def _generic_path(layer: nn.Module) -> nn.Module:
     """The same layer forced onto the base class's projection: qkv for all tokens, then mix()."""
-    from visattn.layers.base import GridAttention
-
     layer.project_and_mix = lambda *args: GridAttention.project_and_mix(layer, *args)
     return layer
 

@@ -6,7 +6,7 @@ from timm.layers import Attention
 
 import visattn
 from tests.helpers import assert_rms_close
-from visattn.layers import get_attention
+from visattn.layers import GridAttention, get_attention
 
 NAMES = visattn.list_attentions()
 DIM, HEADS = 24, 3
@@ -135,7 +135,7 @@ def test_linear_causal_layer_matches_reference():
     x = _input((3, 4), 1)
     B, N, _ = x.shape
     q, k, v = layer.qkv(x).reshape(B, N, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
-    expected = layer.proj(visattn.ops.linear_reference(q, k, v, causal=True).transpose(1, 2).reshape(B, N, DIM))
+    expected = layer.proj(visattn.ops.naive_linear_attn(q, k, v, causal=True).transpose(1, 2).reshape(B, N, DIM))
     torch.testing.assert_close(layer(x, is_causal=True), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -145,8 +145,6 @@ def test_linear_causal_layer_matches_reference():
 def test_linear_fused_paths_equal_the_generic_path(prefix, qk_norm, dwconv_kernel):
     """Inference fuses the projection with the mixing, training runs on the packed projection; both give
     the generic qkv -> mix result (locality term included), and training the same gradients."""
-    from visattn.layers.base import GridAttention
-
     norm = nn.LayerNorm if qk_norm else None
     layer = _layer("linear", qk_norm=qk_norm, norm_layer=norm, dwconv_kernel=dwconv_kernel)
     generic = _layer("linear", qk_norm=qk_norm, norm_layer=norm, dwconv_kernel=dwconv_kernel)
@@ -180,7 +178,7 @@ def test_linear_locality_term_is_the_depthwise_convolution_of_v(prefix):
     x = _input(grid, prefix)
     b, n, _ = x.shape
     q, k, v = layer.qkv(x).reshape(b, n, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
-    mixed = visattn.ops.linear_reference(q, k, v).transpose(1, 2).reshape(b, n, DIM)
+    mixed = visattn.ops.naive_linear_attn(q, k, v).transpose(1, 2).reshape(b, n, DIM)
     v_img = v[:, :, prefix:].transpose(2, 3).reshape(b, DIM, *grid)  # (B, heads * d, H, W)
     local = layer.dwconv(v_img).flatten(2).transpose(1, 2)  # (B, H * W, C)
     expected = layer.proj(torch.cat([mixed[:, :prefix], mixed[:, prefix:] + local], dim=1)).detach()

@@ -10,7 +10,7 @@ from visattn.layers.longformer import LongformerAttention
 from visattn.layers.neighborhood import NeighborhoodAttention
 from visattn.layers.registry import get_attention
 from visattn.layers.sparse import SparseAttention
-from visattn.ops._reference import masked_attention_reference
+from visattn.ops._naive import naive_masked_attn
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
@@ -77,7 +77,7 @@ def _expected_mix(layer, q, k, v):
 
             q, k, v = insert(q, eq), insert(k, ek), insert(v, ev)
         allowed = longformer_mask(grid, p + extra, layer.local, layer.kernel_size, layer.block_size, layer.halo)
-        out = masked_attention_reference(q, k, v, allowed)
+        out = naive_masked_attn(q, k, v, allowed)
         return torch.cat([out[:, :, :p], out[:, :, p + extra :]], dim=2)
     allowed = torch.zeros(p + n_patch, p + n_patch, dtype=torch.bool)
     allowed[:p] = True  # prefix tokens see everything
@@ -85,7 +85,7 @@ def _expected_mix(layer, q, k, v):
         allowed[p:, p:] = neighborhood_mask(grid, layer.kernel_size)
     else:
         allowed[p:, p:] = sparse_mask(grid, layer.block_size, layer.halo)
-    return masked_attention_reference(q, k, v, allowed)
+    return naive_masked_attn(q, k, v, allowed)
 
 
 @pytest.mark.parametrize("p", PREFIX, ids=[f"p{p}" for p in PREFIX])

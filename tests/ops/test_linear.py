@@ -1,13 +1,9 @@
-import importlib
-
 import pytest
 import torch
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
-from visattn.ops.linear import FEATURE_MAPS
-
-linear_module = importlib.import_module("visattn.ops.linear")  # the module (visattn.ops.linear is the op)
+from visattn.ops.linear import FEATURE_MAPS, blocked, fused_qkv_linear_attn, packed_linear_attn
 
 SHAPES = [(1, 1, 5, 4), (2, 3, 37, 8), (1, 2, 130, 16)]  # N not a multiple of any chunk size used below
 SHAPE_IDS = [f"B{b}-H{h}-N{n}-d{d}" for b, h, n, d in SHAPES]
@@ -22,8 +18,8 @@ def _qkv(shape, dtype=torch.float32):
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_linear_matches_reference_fp32(shape, causal, feature_map):
     q, k, v = _qkv(shape)
-    out, grads = grads_of(lambda q, k, v: ops.linear(q, k, v, feature_map=feature_map, causal=causal, chunk_size=16), q, k, v)
-    ref, ref_grads = grads_of(lambda q, k, v: ops.linear_reference(q, k, v, feature_map=feature_map, causal=causal), q, k, v)
+    out, grads = grads_of(lambda q, k, v: ops.linear_attn(q, k, v, feature_map=feature_map, causal=causal, chunk_size=16), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, feature_map=feature_map, causal=causal), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -32,8 +28,8 @@ def test_linear_matches_reference_fp32(shape, causal, feature_map):
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
 def test_causal_result_independent_of_chunk_size(chunk_size):
     q, k, v = _qkv((2, 2, 50, 8))
-    out, grads = grads_of(lambda q, k, v: ops.linear(q, k, v, causal=True, chunk_size=chunk_size), q, k, v)
-    ref, ref_grads = grads_of(lambda q, k, v: ops.linear_reference(q, k, v, causal=True), q, k, v)
+    out, grads = grads_of(lambda q, k, v: ops.linear_attn(q, k, v, causal=True, chunk_size=chunk_size), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, causal=True), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for g, g_ref in zip(grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, "grad")
@@ -41,18 +37,18 @@ def test_causal_result_independent_of_chunk_size(chunk_size):
 
 def test_causal_chunked_equals_recurrent_steps():
     q, k, v = _qkv((2, 3, 29, 8))
-    chunked = ops.linear(q, k, v, causal=True, chunk_size=8)
+    chunked = ops.linear_attn(q, k, v, causal=True, chunk_size=8)
     state, steps = None, []
     for t in range(q.shape[2]):
-        out_t, state = ops.linear_step(q[:, :, t], k[:, :, t], v[:, :, t], state)
+        out_t, state = ops.linear_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], state)
         steps.append(out_t)
     assert_rms_close(torch.stack(steps, dim=2), chunked, 1e-5, "recurrent vs chunked")
-    assert_rms_close(chunked, ops.linear_reference(q, k, v, causal=True), 1e-5, "chunked vs masked reference")
+    assert_rms_close(chunked, ops.naive_linear_attn(q, k, v, causal=True), 1e-5, "chunked vs masked reference")
 
 
 def test_causal_first_token_sees_only_itself():
     q, k, v = _qkv((1, 1, 6, 4))
-    out = ops.linear(q, k, v, causal=True)
+    out = ops.linear_attn(q, k, v, causal=True)
     torch.testing.assert_close(out[:, :, 0], v[:, :, 0], rtol=1e-5, atol=1e-6)  # weights normalise to 1 on one key
 
 
@@ -60,31 +56,31 @@ def test_constant_values_come_back():
     q, k, _ = _qkv((2, 2, 33, 8))
     v = torch.full((2, 2, 33, 8), 3.5)
     for causal in (False, True):
-        torch.testing.assert_close(ops.linear(q, k, v, causal=causal), v, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ops.linear_attn(q, k, v, causal=causal), v, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_bf16_close_to_fp32_reference(causal):
     q, k, v = _qkv((2, 2, 70, 16))
-    out = ops.linear(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal, chunk_size=16)
+    out = ops.linear_attn(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal, chunk_size=16)
     assert out.dtype == torch.bfloat16
-    assert_rms_close(out.float(), ops.linear_reference(q, k, v, causal=causal), 2e-2, "bf16")
+    assert_rms_close(out.float(), ops.naive_linear_attn(q, k, v, causal=causal), 2e-2, "bf16")
 
 
 def test_autocast_bf16_keeps_fp32_sums():
     q, k, v = _qkv((1, 2, 40, 8))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = ops.linear(q, k, v)
-    assert_rms_close(out.float(), ops.linear_reference(q, k, v), 1e-5, "fp32 inputs under autocast stay fp32")
+        out = ops.linear_attn(q, k, v)
+    assert_rms_close(out.float(), ops.naive_linear_attn(q, k, v), 1e-5, "fp32 inputs under autocast stay fp32")
 
 
 def test_long_sequence_bf16_is_finite_and_close_to_fp32():
     """65,536 tokens (a 256x256 grid), 6 heads of d=64, under bf16 autocast: an fp16 sum would overflow."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 6, 65536, 64, generator=gen) for _ in range(3))
-    expected = ops.linear(q, k, v)
+    expected = ops.linear_attn(q, k, v)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = ops.linear(q.bfloat16(), k.bfloat16(), v.bfloat16())
+        out = ops.linear_attn(q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert torch.isfinite(out).all()
     assert_rms_close(out.float(), expected, 2e-2, "bf16 at N=65536")
 
@@ -92,20 +88,20 @@ def test_long_sequence_bf16_is_finite_and_close_to_fp32():
 def test_relu_feature_map_guards_a_zero_normalizer():
     q = -torch.ones(1, 1, 4, 2)  # relu(q) = 0: the normalizer is 0 and must not divide by zero
     k, v = torch.randn(1, 1, 4, 2), torch.randn(1, 1, 4, 2)
-    out = ops.linear(q, k, v, feature_map="relu")
+    out = ops.linear_attn(q, k, v, feature_map="relu")
     assert torch.isfinite(out).all() and torch.count_nonzero(out) == 0
 
 
 def test_bad_inputs_raise():
     q, k, v = _qkv((1, 2, 8, 4))
     with pytest.raises(ValueError, match="feature_map"):
-        ops.linear(q, k, v, feature_map="softplus")
+        ops.linear_attn(q, k, v, feature_map="softplus")
     with pytest.raises(ValueError, match=r"\(B, heads, N, d\)"):
-        ops.linear(q[0], k[0], v[0])
+        ops.linear_attn(q[0], k[0], v[0])
     with pytest.raises(ValueError, match="agree"):
-        ops.linear(q, k[:, :, :5], v)
+        ops.linear_attn(q, k[:, :, :5], v)
     with pytest.raises(ValueError, match="chunk_size"):
-        ops.linear(q, k, v, causal=True, chunk_size=0)
+        ops.linear_attn(q, k, v, causal=True, chunk_size=0)
 
 
 # The non-causal op walks the tokens in blocks; a small block makes every test shape span several blocks
@@ -115,7 +111,7 @@ SMALL_BLOCKS = 16 * 2 * 8  # 16 tokens per block at B=1, heads=2, d=8
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(linear_module, "_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", SMALL_BLOCKS)
 
 
 
@@ -123,8 +119,8 @@ def small_blocks(monkeypatch):
 @pytest.mark.parametrize("shape", [(1, 2, 53, 8), (2, 3, 37, 8)], ids=["B1-H2-N53-d8", "B2-H3-N37-d8"])
 def test_noncausal_blocks_match_reference(shape, feature_map, small_blocks):
     q, k, v = _qkv(shape)
-    out, grads = grads_of(lambda q, k, v: ops.linear(q, k, v, feature_map=feature_map), q, k, v)
-    ref, ref_grads = grads_of(lambda q, k, v: ops.linear_reference(q, k, v, feature_map=feature_map), q, k, v)
+    out, grads = grads_of(lambda q, k, v: ops.linear_attn(q, k, v, feature_map=feature_map), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, feature_map=feature_map), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -159,9 +155,9 @@ def test_packed_equals_split_heads(b, n, heads, feature_map, small_blocks):
 
     def split_then_linear(qkv):
         q, k, v = _split(qkv, heads)
-        return ops.linear_reference(q, k, v, feature_map=feature_map).transpose(1, 2).flatten(2)
+        return ops.naive_linear_attn(q, k, v, feature_map=feature_map).transpose(1, 2).flatten(2)
 
-    out, (grad,) = grads_of(lambda t: linear_module.linear_packed(t, heads, feature_map)[0], qkv)
+    out, (grad,) = grads_of(lambda t: packed_linear_attn(t, heads, feature_map)[0], qkv)
     ref, (ref_grad,) = grads_of(split_then_linear, qkv)
     assert_rms_close(out, ref, 1e-5, "out")
     assert_rms_close(grad, ref_grad, 1e-5, "dqkv")
@@ -170,9 +166,9 @@ def test_packed_equals_split_heads(b, n, heads, feature_map, small_blocks):
 
 def test_packed_bf16_close_to_fp32():
     qkv = _packed(2, 40, 2, 8)
-    out, _ = linear_module.linear_packed(qkv.bfloat16(), 2)
+    out, _ = packed_linear_attn(qkv.bfloat16(), 2)
     assert out.dtype == torch.bfloat16
-    assert_rms_close(out.float(), linear_module.linear_packed(qkv, 2)[0], 2e-2, "bf16")
+    assert_rms_close(out.float(), packed_linear_attn(qkv, 2)[0], 2e-2, "bf16")
 
 
 def test_packed_saves_only_its_input_and_the_state():
@@ -181,7 +177,7 @@ def test_packed_saves_only_its_input_and_the_state():
     qkv = _packed(1, 64, 2, 8).requires_grad_(True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        linear_module.linear_packed(qkv, 2)
+        packed_linear_attn(qkv, 2)
     assert any(t is qkv for t in saved)
     assert all(t is qkv or t.numel() <= 2 * 8 * 8 for t in saved), [tuple(t.shape) for t in saved]
 
@@ -193,23 +189,23 @@ def test_packed_values_are_the_projection_values_with_their_gradient():
     weight = torch.randn(2, 30, 16)
 
     def through_values(qkv):
-        out, values = linear_module.linear_packed(qkv, 2)
+        out, values = packed_linear_attn(qkv, 2)
         return out + values * weight
 
     def reference(qkv):
         q, k, v = _split(qkv, 2)
-        return ops.linear_reference(q, k, v).transpose(1, 2).flatten(2) + qkv[..., 32:] * weight
+        return ops.naive_linear_attn(q, k, v).transpose(1, 2).flatten(2) + qkv[..., 32:] * weight
 
     out, (grad,) = grads_of(through_values, qkv)
     ref, (ref_grad,) = grads_of(reference, qkv)
     assert_rms_close(out, ref, 1e-5, "out")
     assert_rms_close(grad, ref_grad, 1e-5, "dqkv")
-    assert torch.equal(linear_module.linear_packed(qkv, 2)[1], qkv[..., 32:])
+    assert torch.equal(packed_linear_attn(qkv, 2)[1], qkv[..., 32:])
 
 
 def test_packed_bad_shape_raises():
     with pytest.raises(ValueError, match="num_heads"):
-        linear_module.linear_packed(torch.randn(1, 5, 3 * 10), 4)
+        packed_linear_attn(torch.randn(1, 5, 3 * 10), 4)
 
 
 def _from_input_case(bias=True, norms=False):
@@ -229,18 +225,18 @@ def test_from_input_equals_projection_then_linear(feature_map, norms, bias, smal
     q, k, v = _split(torch.nn.functional.linear(x, weight, qkv_bias), heads)
     if norm is not None:
         q, k = norm(q), norm(k)
-    expected = ops.linear_reference(q, k, v, feature_map=feature_map).transpose(1, 2).flatten(2)
+    expected = ops.naive_linear_attn(q, k, v, feature_map=feature_map).transpose(1, 2).flatten(2)
     with torch.no_grad():
-        out = linear_module.linear_from_input(x, weight, qkv_bias, heads, feature_map, q_norm=norm, k_norm=norm)
+        out = fused_qkv_linear_attn(x, weight, qkv_bias, heads, feature_map, q_norm=norm, k_norm=norm)
     assert_rms_close(out, expected, 1e-5, "out")
 
 
 def test_from_input_under_autocast_matches_the_unfused_path():
     x, weight, qkv_bias, heads, _ = _from_input_case()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        out = linear_module.linear_from_input(x, weight, qkv_bias, heads)
+        out = fused_qkv_linear_attn(x, weight, qkv_bias, heads)
         q, k, v = _split(torch.nn.functional.linear(x, weight, qkv_bias), heads)
-        expected = ops.linear(q, k, v).transpose(1, 2).flatten(2)
+        expected = ops.linear_attn(q, k, v).transpose(1, 2).flatten(2)
     assert out.dtype == expected.dtype == torch.bfloat16
     assert_rms_close(out.float(), expected.float(), 1e-5, "autocast")
 
@@ -248,4 +244,4 @@ def test_from_input_under_autocast_matches_the_unfused_path():
 def test_from_input_refuses_autograd():
     x, weight, qkv_bias, heads, _ = _from_input_case()
     with pytest.raises(ValueError, match="inference only"):
-        linear_module.linear_from_input(x, weight.requires_grad_(True), qkv_bias, heads)
+        fused_qkv_linear_attn(x, weight.requires_grad_(True), qkv_bias, heads)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import assert_rms_close, grads_of
-from visattn.ops import linformer, linformer_reference, resample_projection
+from visattn.ops import linformer_attn, naive_linformer_attn, resample_projection
 from visattn.ops.linformer import area_pooling_projection, project_keys_values
 
 REF_GRID = (5, 4)
@@ -36,8 +36,8 @@ def _inputs(b, heads, gh, gw, p, kp):
 @pytest.mark.parametrize("b,heads,gh,gw,p,kp", CASES, ids=IDS)
 def test_matches_reference_fp32(b, heads, gh, gw, p, kp):
     inputs = _inputs(b, heads, gh, gw, p, kp)
-    out, grads = grads_of(lambda *t: linformer(*t, num_prefix_tokens=p), *inputs)
-    ref, ref_grads = grads_of(lambda *t: linformer_reference(*t, num_prefix_tokens=p), *inputs)
+    out, grads = grads_of(lambda *t: linformer_attn(*t, num_prefix_tokens=p), *inputs)
+    ref, ref_grads = grads_of(lambda *t: naive_linformer_attn(*t, num_prefix_tokens=p), *inputs)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip(["q", "k", "v", "proj_k", "proj_v"], grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -47,9 +47,9 @@ def test_matches_reference_fp32(b, heads, gh, gw, p, kp):
 def test_matches_reference_bf16(b, heads, gh, gw, p, kp):
     q, k, v, proj_k, proj_v = _inputs(b, heads, gh, gw, p, kp)
     out, grads = grads_of(
-        lambda *t: linformer(*t, num_prefix_tokens=p), q.bfloat16(), k.bfloat16(), v.bfloat16(), proj_k, proj_v
+        lambda *t: linformer_attn(*t, num_prefix_tokens=p), q.bfloat16(), k.bfloat16(), v.bfloat16(), proj_k, proj_v
     )
-    ref, ref_grads = grads_of(lambda *t: linformer_reference(*t, num_prefix_tokens=p), q, k, v, proj_k, proj_v)
+    ref, ref_grads = grads_of(lambda *t: naive_linformer_attn(*t, num_prefix_tokens=p), q, k, v, proj_k, proj_v)
     assert out.dtype == torch.bfloat16
     assert_rms_close(out, ref, 2e-2, "out")
     for name, g, g_ref in zip(["q", "k", "v", "proj_k", "proj_v"], grads, ref_grads):
@@ -65,7 +65,7 @@ def test_pooled_init_returns_constant_values(grid, p):
     n = p + grid[0] * grid[1]
     q, k = torch.randn(2, 2, n, HEAD_DIM), torch.randn(2, 2, n, HEAD_DIM)
     v = torch.randn(HEAD_DIM).expand(2, 2, n, HEAD_DIM)
-    torch.testing.assert_close(linformer(q, k, v, proj, proj, p), v.expand_as(q), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linformer_attn(q, k, v, proj, proj, p), v.expand_as(q), rtol=1e-5, atol=1e-5)
 
 
 def test_resample_at_reference_grid_is_identity():
@@ -113,11 +113,11 @@ def test_bad_input_raises():
     q = torch.randn(1, 2, 13, HEAD_DIM)
     proj = torch.randn(4, 12)
     with pytest.raises(ValueError, match="proj_k"):
-        linformer(q, q, q, torch.randn(4, 13), proj, num_prefix_tokens=1)
+        linformer_attn(q, q, q, torch.randn(4, 13), proj, num_prefix_tokens=1)
     with pytest.raises(ValueError, match="same shape"):
-        linformer(q, q, q, proj, torch.randn(5, 12), num_prefix_tokens=1)
+        linformer_attn(q, q, q, proj, torch.randn(5, 12), num_prefix_tokens=1)
     with pytest.raises(ValueError, match="num_prefix_tokens"):
-        linformer(q, q, q, proj, proj, num_prefix_tokens=13)
+        linformer_attn(q, q, q, proj, proj, num_prefix_tokens=13)
     with pytest.raises(ValueError, match="proj must be"):
         resample_projection(torch.randn(4, 3, 4), (4, 3), (5, 5))
     with pytest.raises(ValueError, match="grid"):
@@ -129,7 +129,7 @@ def test_bad_input_raises():
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("p", [0, 1, 3], ids=["p0", "p1", "p3"])
 def test_keys_values_projected_from_the_input(p, bias):
-    """E (X W^T + b) computed as (E X) W^T + (E 1) b equals the keys and values linformer() forms from the
+    """E (X W^T + b) computed as (E X) W^T + (E 1) b equals the keys and values linformer_attn() forms from the
     projected k and v of every token; outputs and gradients."""
     b, gh, gw, c_in, dim, kp = 2, 5, 4, 12, 16, 6
     x, weight = torch.randn(b, p + gh * gw, c_in), torch.randn(2 * dim, c_in)

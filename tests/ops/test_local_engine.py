@@ -2,21 +2,18 @@
 each other and with the explicit-mask twins, prefix tokens included."""
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 import visattn
 
 from tests.helpers import assert_rms_close, grads_of
-from visattn.ops._reference import masked_attention_reference
-from visattn.ops.local import blocked_axis, neighborhood_axis, tiled_local_attention
+from visattn.ops import _chunked as chunked
+from visattn.ops import local
+from visattn.ops._naive import naive_masked_attn
+from visattn.ops.local import blocked_axis, neighborhood_axis, tiled_local_attn
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
-
-chunked = importlib.import_module("visattn.ops._chunked")
-local = importlib.import_module("visattn.ops.local")
 
 # (B, heads, H, W, prefix tokens, patches see the prefix, window, head_dim)
 CASES = [
@@ -43,7 +40,7 @@ def _reference(q, k, v, window, grid, p, prefix_visible):
     allowed[:p] = True  # prefix queries see every token
     allowed[p:, :p] = prefix_visible
     allowed[p:, p:] = neighborhood_mask(grid, size) if kind == "neighborhood" else sparse_mask(grid, size, extra)
-    return masked_attention_reference(q, k, v, allowed)
+    return naive_masked_attn(q, k, v, allowed)
 
 
 @pytest.fixture
@@ -58,7 +55,7 @@ def test_inference_and_training_paths_match_reference(b, heads, gh, gw, p, prefi
     rows, cols = _plans(window, (gh, gw))
 
     def engine(q, k, v):
-        return tiled_local_attention(q, k, v, rows, cols, num_prefix_tokens=p, prefix_visible=prefix_visible)
+        return tiled_local_attn(q, k, v, rows, cols, num_prefix_tokens=p, prefix_visible=prefix_visible)
 
     expected, expected_grads = grads_of(lambda q, k, v: _reference(q, k, v, window, (gh, gw), p, prefix_visible), q, k, v)
     trained, grads = grads_of(engine, q, k, v)  # differentiable path
@@ -77,9 +74,9 @@ def test_chunked_path_bf16_and_autocast(b, heads, gh, gw, p, prefix_visible, win
     rows, cols = _plans(window, (gh, gw))
     expected = _reference(q, k, v, window, (gh, gw), p, prefix_visible)
     with torch.no_grad():
-        out = tiled_local_attention(*(t.bfloat16() for t in (q, k, v)), rows, cols, p, prefix_visible)
+        out = tiled_local_attn(*(t.bfloat16() for t in (q, k, v)), rows, cols, p, prefix_visible)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            autocast_out = tiled_local_attention(q, k, v, rows, cols, p, prefix_visible)
+            autocast_out = tiled_local_attn(q, k, v, rows, cols, p, prefix_visible)
     assert out.dtype == torch.bfloat16
     assert_rms_close(out.float(), expected, 2e-2, "bf16")
     assert_rms_close(autocast_out.float(), expected, 2e-2, "autocast")
@@ -91,7 +88,7 @@ def test_output_is_token_major():
     rows, cols = _plans(("neighborhood", 3, 4), (6, 5))
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
-            out = tiled_local_attention(*(t.requires_grad_(grad) for t in (q, k, v)), rows, cols, 1)
+            out = tiled_local_attn(*(t.requires_grad_(grad) for t in (q, k, v)), rows, cols, 1)
         merged = out.transpose(1, 2).reshape(2, 31, 24)
         assert merged.data_ptr() == out.data_ptr() and merged._base is not None
 
@@ -109,10 +106,10 @@ def test_layouts_are_cached():
 def test_a_window_of_one_key_returns_v_exactly(window, p):
     q, k, v = (torch.randn(2, 2, p + 5 * 6, 8) for _ in range(3))
     rows, cols = _plans(window, (5, 6))
-    out, (dq, dk, dv) = grads_of(lambda q, k, v: tiled_local_attention(q, k, v, rows, cols, p), q, k, v)
+    out, (dq, dk, dv) = grads_of(lambda q, k, v: tiled_local_attn(q, k, v, rows, cols, p), q, k, v)
     assert torch.equal(out[:, :, p:], v[:, :, p:])
     with torch.no_grad():
-        assert torch.equal(tiled_local_attention(q, k, v, rows, cols, p)[:, :, p:], v[:, :, p:])
+        assert torch.equal(tiled_local_attn(q, k, v, rows, cols, p)[:, :, p:], v[:, :, p:])
     assert torch.count_nonzero(dq[:, :, p:]) == 0  # a softmax over one key has no gradient
     if p == 0:
         assert torch.count_nonzero(dk) == 0
@@ -147,7 +144,7 @@ def test_a_window_of_one_key_applies_dropout():
     q, k, v = (torch.randn(2, 2, 5 * 6, 8) for _ in range(3))
     rows, cols = _plans(("neighborhood", 1, 2), (5, 6))
     torch.manual_seed(0)
-    out = tiled_local_attention(q, k, v, rows, cols, 0, dropout_p=0.5)
+    out = tiled_local_attn(q, k, v, rows, cols, 0, dropout_p=0.5)
     kept = (out != 0).all(dim=-1, keepdim=True)
     assert 0 < kept.float().mean() < 1
     torch.testing.assert_close(out, torch.where(kept, v / 0.5, torch.zeros_like(v)))

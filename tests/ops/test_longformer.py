@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_rms_close, grads_of
-from visattn.ops import longformer, longformer_reference, neighborhood, sparse
+from visattn.ops import longformer_attn, naive_longformer_attn, neighborhood_attn, sparse_attn
 from visattn.ops.longformer import longformer_mask
 
 # (B, heads, H, W, global tokens, local, window options, head_dim)
@@ -45,9 +45,9 @@ def _reference_options(opts):
 @pytest.mark.parametrize("b,heads,gh,gw,g,local,opts,d", CASES, ids=IDS)
 def test_matches_reference_fp32(b, heads, gh, gw, g, local, opts, d):
     q, k, v = _qkv(b, heads, g + gh * gw, d)
-    out, grads = grads_of(lambda q, k, v: longformer(q, k, v, (gh, gw), g, local, **opts), q, k, v)
+    out, grads = grads_of(lambda q, k, v: longformer_attn(q, k, v, (gh, gw), g, local, **opts), q, k, v)
     ref, ref_grads = grads_of(
-        lambda q, k, v: longformer_reference(q, k, v, (gh, gw), g, local, **_reference_options(opts)), q, k, v
+        lambda q, k, v: naive_longformer_attn(q, k, v, (gh, gw), g, local, **_reference_options(opts)), q, k, v
     )
     assert_rms_close(out, ref, 1e-5, "out")
     for name, gr, gr_ref in zip("qkv", grads, ref_grads):
@@ -58,10 +58,10 @@ def test_matches_reference_fp32(b, heads, gh, gw, g, local, opts, d):
 def test_matches_reference_bf16(b, heads, gh, gw, g, local, opts, d):
     q, k, v = _qkv(b, heads, g + gh * gw, d)
     out, grads = grads_of(
-        lambda q, k, v: longformer(q, k, v, (gh, gw), g, local, **opts), *(x.bfloat16() for x in (q, k, v))
+        lambda q, k, v: longformer_attn(q, k, v, (gh, gw), g, local, **opts), *(x.bfloat16() for x in (q, k, v))
     )
     ref, ref_grads = grads_of(
-        lambda q, k, v: longformer_reference(q, k, v, (gh, gw), g, local, **_reference_options(opts)), q, k, v
+        lambda q, k, v: naive_longformer_attn(q, k, v, (gh, gw), g, local, **_reference_options(opts)), q, k, v
     )
     assert out.dtype == torch.bfloat16
     assert_rms_close(out, ref, 2e-2, "out")
@@ -76,10 +76,10 @@ def test_no_global_tokens_is_the_local_op():
     def grid(t):
         return t.unflatten(2, (gh, gw))
 
-    local_nb = neighborhood(grid(q), grid(k), grid(v), 3, tile_size=4).flatten(2, 3)
-    local_sp = sparse(grid(q), grid(k), grid(v), 3, 1).flatten(2, 3)
-    assert_rms_close(longformer(q, k, v, (gh, gw), 0, "neighborhood", kernel_size=3, tile_size=4), local_nb, 1e-6)
-    assert_rms_close(longformer(q, k, v, (gh, gw), 0, "sparse", block_size=3, halo=1), local_sp, 1e-6)
+    local_nb = neighborhood_attn(grid(q), grid(k), grid(v), 3, tile_size=4).flatten(2, 3)
+    local_sp = sparse_attn(grid(q), grid(k), grid(v), 3, 1).flatten(2, 3)
+    assert_rms_close(longformer_attn(q, k, v, (gh, gw), 0, "neighborhood", kernel_size=3, tile_size=4), local_nb, 1e-6)
+    assert_rms_close(longformer_attn(q, k, v, (gh, gw), 0, "sparse", block_size=3, halo=1), local_sp, 1e-6)
 
 
 def test_global_tokens_share_the_softmax_with_the_window():
@@ -88,7 +88,7 @@ def test_global_tokens_share_the_softmax_with_the_window():
     q, k, v = _qkv(1, 1, 1 + gh * gw, d)
     q[:, :, 1:] = q[:, :, 1:].abs() + 1.0  # positive patch queries ...
     k[:, :, 0] = 50.0  # ... give the global key a score above 100, the local keys a few units
-    out = longformer(q, k, v, (gh, gw), 1, "neighborhood", kernel_size=3)
+    out = longformer_attn(q, k, v, (gh, gw), 1, "neighborhood", kernel_size=3)
     torch.testing.assert_close(out[:, :, 1:], v[:, :, :1].expand(-1, -1, gh * gw, -1), rtol=1e-4, atol=1e-4)
 
 
@@ -112,4 +112,4 @@ def test_mask_rows_and_columns():
 def test_bad_input_raises(grid, g, kwargs, match):
     q, k, v = _qkv(1, 1, 21, 8)
     with pytest.raises(ValueError, match=match):
-        longformer(q, k, v, grid, g, **kwargs)
+        longformer_attn(q, k, v, grid, g, **kwargs)

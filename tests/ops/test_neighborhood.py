@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tests.helpers import assert_rms_close, grads_of
-from visattn.ops import neighborhood, neighborhood_reference
+from visattn.ops import naive_neighborhood_attn, neighborhood_attn
 from visattn.ops.neighborhood import neighborhood_mask
 
 # (B, heads, H, W, kernel_size, tile_size, head_dim)
@@ -32,8 +32,8 @@ def _qkv(b, heads, gh, gw, d, dtype=torch.float32):
 @pytest.mark.parametrize("b,heads,gh,gw,ks,t,d", CASES, ids=IDS)
 def test_matches_reference_fp32(b, heads, gh, gw, ks, t, d):
     q, kk, v = _qkv(b, heads, gh, gw, d)
-    out, grads = grads_of(lambda q, k, v: neighborhood(q, k, v, ks, tile_size=t), q, kk, v)
-    ref, ref_grads = grads_of(lambda q, k, v: neighborhood_reference(q, k, v, ks), q, kk, v)
+    out, grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, ks, tile_size=t), q, kk, v)
+    ref, ref_grads = grads_of(lambda q, k, v: naive_neighborhood_attn(q, k, v, ks), q, kk, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -42,8 +42,8 @@ def test_matches_reference_fp32(b, heads, gh, gw, ks, t, d):
 @pytest.mark.parametrize("b,heads,gh,gw,ks,t,d", CASES, ids=IDS)
 def test_matches_reference_bf16(b, heads, gh, gw, ks, t, d):
     q, kk, v = _qkv(b, heads, gh, gw, d)
-    out, grads = grads_of(lambda q, k, v: neighborhood(q, k, v, ks, tile_size=t), *(x.bfloat16() for x in (q, kk, v)))
-    ref, ref_grads = grads_of(lambda q, k, v: neighborhood_reference(q, k, v, ks), q, kk, v)
+    out, grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, ks, tile_size=t), *(x.bfloat16() for x in (q, kk, v)))
+    ref, ref_grads = grads_of(lambda q, k, v: naive_neighborhood_attn(q, k, v, ks), q, kk, v)
     assert out.dtype == torch.bfloat16
     assert_rms_close(out, ref, 2e-2, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
@@ -55,9 +55,9 @@ def test_matches_reference_bf16(b, heads, gh, gw, ks, t, d):
 )
 def test_result_does_not_depend_on_tile_size(gh, gw, ks):
     q, kk, v = _qkv(2, 2, gh, gw, 8)
-    out, grads = grads_of(lambda q, k, v: neighborhood(q, k, v, ks, tile_size=8), q, kk, v)
+    out, grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, ks, tile_size=8), q, kk, v)
     for tile in (1, 2, 3, 5, 16):
-        other, other_grads = grads_of(lambda q, k, v: neighborhood(q, k, v, ks, tile_size=tile), q, kk, v)
+        other, other_grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, ks, tile_size=tile), q, kk, v)
         assert_rms_close(other, out, 1e-6, f"out tile={tile}")
         for name, g, g_ref in zip("qkv", other_grads, grads):
             assert_rms_close(g, g_ref, 1e-6, f"d{name} tile={tile}")
@@ -88,18 +88,18 @@ def test_every_query_sees_k_squared_keys_including_itself(gh, gw, k):
 
 def test_kernel_one_returns_values():
     q, kk, v = _qkv(2, 2, 5, 6, 8)
-    torch.testing.assert_close(neighborhood(q, kk, v, 1), v)
+    torch.testing.assert_close(neighborhood_attn(q, kk, v, 1), v)
 
 
 def test_same_input_same_output_bit_for_bit():
     q, kk, v = _qkv(2, 2, 9, 7, 8)
-    assert torch.equal(neighborhood(q, kk, v, 5, tile_size=4), neighborhood(q, kk, v, 5, tile_size=4))
+    assert torch.equal(neighborhood_attn(q, kk, v, 5, tile_size=4), neighborhood_attn(q, kk, v, 5, tile_size=4))
 
 
 def test_scale_and_dropout_are_passed_on():
     q, kk, v = _qkv(1, 2, 6, 5, 8)
-    assert_rms_close(neighborhood(q, kk, v, 3, scale=0.3), neighborhood_reference(q, kk, v, 3, scale=0.3), 1e-5)
-    assert not torch.allclose(neighborhood(q, kk, v, 3, dropout_p=0.5), neighborhood(q, kk, v, 3))
+    assert_rms_close(neighborhood_attn(q, kk, v, 3, scale=0.3), naive_neighborhood_attn(q, kk, v, 3, scale=0.3), 1e-5)
+    assert not torch.allclose(neighborhood_attn(q, kk, v, 3, dropout_p=0.5), neighborhood_attn(q, kk, v, 3))
 
 
 @pytest.mark.parametrize(
@@ -114,15 +114,15 @@ def test_scale_and_dropout_are_passed_on():
 def test_bad_options_raise(kwargs, match):
     q, kk, v = _qkv(1, 1, 4, 4, 8)
     with pytest.raises(ValueError, match=match):
-        neighborhood(q, kk, v, **kwargs)
+        neighborhood_attn(q, kk, v, **kwargs)
 
 
 def test_bad_shapes_raise():
     q, kk, v = _qkv(1, 1, 4, 4, 8)
     with pytest.raises(ValueError, match="H, W"):
-        neighborhood(q.flatten(2, 3), kk.flatten(2, 3), v.flatten(2, 3), 3)
+        neighborhood_attn(q.flatten(2, 3), kk.flatten(2, 3), v.flatten(2, 3), 3)
     with pytest.raises(ValueError, match="agree"):
-        neighborhood(q, kk[:, :, :3], v, 3)
+        neighborhood_attn(q, kk[:, :, :3], v, 3)
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -146,7 +146,7 @@ def test_memory_stays_blocked_at_grid96x96():
     B, heads, H, W, d, k, tile = 1, 2, 96, 96, 16, 7, 8
     q, kk, v = (t.requires_grad_(True) for t in _qkv(B, heads, H, W, d))
     with _LargestTensor() as meter:
-        neighborhood(q, kk, v, k, tile_size=tile).square().sum().backward()
+        neighborhood_attn(q, kk, v, k, tile_size=tile).square().sum().backward()
     n = H * W
     tile_scores = B * heads * n * (tile + k - 1) ** 2
     assert meter.numel <= tile_scores, meter.op
@@ -159,5 +159,5 @@ def test_memory_meter_sees_dense_scores():
     """The meter above can fail: the N x N reference trips it."""
     q, kk, v = _qkv(1, 1, 12, 12, 8)
     with _LargestTensor() as meter:
-        neighborhood_reference(q, kk, v, 3)
+        naive_neighborhood_attn(q, kk, v, 3)
     assert meter.numel >= 144 * 144

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_rms_close, grads_of
-from visattn.ops import sparse, sparse_reference
+from visattn.ops import naive_sparse_attn, sparse_attn
 from visattn.ops.sparse import sparse_mask
 
 # (B, heads, H, W, block_size, halo, head_dim)
@@ -29,8 +29,8 @@ def _qkv(b, heads, gh, gw, d):
 @pytest.mark.parametrize("b,heads,gh,gw,bs,hl,d", CASES, ids=IDS)
 def test_matches_reference_fp32(b, heads, gh, gw, bs, hl, d):
     q, k, v = _qkv(b, heads, gh, gw, d)
-    out, grads = grads_of(lambda q, k, v: sparse(q, k, v, bs, hl), q, k, v)
-    ref, ref_grads = grads_of(lambda q, k, v: sparse_reference(q, k, v, bs, hl), q, k, v)
+    out, grads = grads_of(lambda q, k, v: sparse_attn(q, k, v, bs, hl), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: naive_sparse_attn(q, k, v, bs, hl), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -39,8 +39,8 @@ def test_matches_reference_fp32(b, heads, gh, gw, bs, hl, d):
 @pytest.mark.parametrize("b,heads,gh,gw,bs,hl,d", CASES, ids=IDS)
 def test_matches_reference_bf16(b, heads, gh, gw, bs, hl, d):
     q, k, v = _qkv(b, heads, gh, gw, d)
-    out, grads = grads_of(lambda q, k, v: sparse(q, k, v, bs, hl), *(x.bfloat16() for x in (q, k, v)))
-    ref, ref_grads = grads_of(lambda q, k, v: sparse_reference(q, k, v, bs, hl), q, k, v)
+    out, grads = grads_of(lambda q, k, v: sparse_attn(q, k, v, bs, hl), *(x.bfloat16() for x in (q, k, v)))
+    ref, ref_grads = grads_of(lambda q, k, v: naive_sparse_attn(q, k, v, bs, hl), q, k, v)
     assert out.dtype == torch.bfloat16
     assert_rms_close(out, ref, 2e-2, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
@@ -66,18 +66,18 @@ def test_block_plus_halo_cut_at_the_border(length, block, halo, windows):
 def test_one_block_without_halo_is_full_attention():
     q, k, v = _qkv(2, 2, 5, 6, 8)
     ref = torch.nn.functional.scaled_dot_product_attention(*(t.flatten(2, 3) for t in (q, k, v)))
-    assert_rms_close(sparse(q, k, v, 6, 0).flatten(2, 3), ref, 1e-5)
+    assert_rms_close(sparse_attn(q, k, v, 6, 0).flatten(2, 3), ref, 1e-5)
 
 
 def test_same_input_same_output_bit_for_bit():
     q, k, v = _qkv(2, 2, 9, 7, 8)
-    assert torch.equal(sparse(q, k, v, 4, 2), sparse(q, k, v, 4, 2))
+    assert torch.equal(sparse_attn(q, k, v, 4, 2), sparse_attn(q, k, v, 4, 2))
 
 
 def test_scale_and_dropout_are_passed_on():
     q, k, v = _qkv(1, 2, 6, 5, 8)
-    assert_rms_close(sparse(q, k, v, 2, 1, scale=0.3), sparse_reference(q, k, v, 2, 1, scale=0.3), 1e-5)
-    assert not torch.allclose(sparse(q, k, v, 2, 1, dropout_p=0.5), sparse(q, k, v, 2, 1))
+    assert_rms_close(sparse_attn(q, k, v, 2, 1, scale=0.3), naive_sparse_attn(q, k, v, 2, 1, scale=0.3), 1e-5)
+    assert not torch.allclose(sparse_attn(q, k, v, 2, 1, dropout_p=0.5), sparse_attn(q, k, v, 2, 1))
 
 
 @pytest.mark.parametrize(
@@ -88,12 +88,12 @@ def test_scale_and_dropout_are_passed_on():
 def test_bad_options_raise(block_size, halo, match):
     q, k, v = _qkv(1, 1, 4, 4, 8)
     with pytest.raises(ValueError, match=match):
-        sparse(q, k, v, block_size, halo)
+        sparse_attn(q, k, v, block_size, halo)
 
 
 def test_bad_shapes_raise():
     q, k, v = _qkv(1, 1, 4, 4, 8)
     with pytest.raises(ValueError, match="H, W"):
-        sparse(q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), 2, 1)
+        sparse_attn(q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), 2, 1)
     with pytest.raises(ValueError, match="head_dim"):
-        sparse(q, k[..., :4], v, 2, 1)
+        sparse_attn(q, k[..., :4], v, 2, 1)

@@ -4,25 +4,40 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from visattn import ops
 from visattn.layers.base import GridAttention
-from visattn.ops.axial import axial_packed
+from visattn.layers.cost import MixingMemory
+from visattn.ops.axial import axial_attn, packed_axial_attn
 
 
 class AxialAttention(GridAttention):
     """Row attention then column attention with one set of q, k, v (timm's single ``qkv``), so every
     output sees the whole grid in two hops; prefix tokens are keys of every row and column and attend
-    to all tokens. O(N (H + W) d) per head. See :func:`visattn.ops.axial`."""
+    to all tokens. O(N (H + W) d) per head. See :func:`visattn.ops.axial_attn`."""
 
     name = "axial"
     supports_attn_drop = True
 
     def project_and_mix(self, x, grid, attn_mask, is_causal) -> torch.Tensor:
-        """Without q/k norms the op runs on the qkv projection itself (:func:`visattn.ops.axial.axial_packed`),
-        whose gradient then comes back in one piece."""
-        if torch.compiler.is_compiling() or not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)):
+        """Without q/k norms the op runs on the qkv projection itself (:func:`visattn.ops.packed_axial_attn`),
+        whose gradient then comes back in one piece on the ``"cpu_kernels"`` path."""
+        if not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)):
             return super().project_and_mix(x, grid, attn_mask, is_causal)
-        return axial_packed(self.qkv(x), self.num_heads, grid, self.num_prefix_tokens, self.dropout_p)
+        return packed_axial_attn(self.qkv(x), self.num_heads, grid, self.num_prefix_tokens, self.dropout_p)
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
-        return ops.axial(q, k, v, grid, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p)
+        return axial_attn(q, k, v, grid, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p)
+
+    @classmethod
+    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+        """``4 C (M (2P + H + W) + P N)``: rows, M queries x (P + W) keys; columns, x (P + H); prefix
+        queries, P x N."""
+        (rows, cols), p, m = layout.grid, layout.num_prefix_tokens, layout.num_patches
+        return 4 * num_heads * head_dim * (m * (2 * p + rows + cols) + p * layout.num_tokens)
+
+    @classmethod
+    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+        """Inference: the row hop's output and the op's output; training: q, k, v, which
+        :func:`visattn.ops.axial_attn` keeps on every path. Left out: the column hop's contiguous copies
+        (inference) and, on the CPU path, the row hop's output and log-sum-exps kept for the backward."""
+        n, c = layout.num_tokens, num_heads * head_dim
+        return MixingMemory(infer=2 * n * c * act_bytes, train=3 * n * c * act_bytes)

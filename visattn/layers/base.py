@@ -4,7 +4,9 @@ Each layer honours timm's ``attn_layer`` contract (``timm.models.vision_transfor
 constructor takes ``dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
 norm_layer, device, dtype`` and the forward is ``forward(x, attn_mask=None, is_causal=False)`` on
 ``x`` of shape (B, N, C). The parameters are timm's (``qkv``, ``q_norm``, ``k_norm``, ``norm``,
-``proj``), so weights move between attention types and from a stock timm ViT.
+``proj``), so weights move between attention types and from a stock timm ViT. The contract is
+written once, on :class:`GridAttention`: a layer with options of its own takes ``dim, num_heads``, its
+options keyword-only, and passes the rest of the contract on as ``**contract``.
 
 A 2D layer also needs the patch grid. It is told, never guessed: the model calls
 :meth:`GridAttention.set_grid` with (H, W) and the number of prefix (class/register) tokens before the
@@ -12,17 +14,25 @@ blocks run, and the forward checks that ``N == num_prefix_tokens + H * W``.
 """
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
+
+from visattn.layers.cost import MixingMemory, TokenLayout
+from visattn.ops._checks import check_grid, check_grid_size
+from visattn.ops._layout import merge_heads, split_qkv
 
 
 class GridAttention(nn.Module, ABC):
     """qkv -> token mixing (:meth:`mix`, one op of :mod:`visattn.ops`) -> proj.
 
-    Subclasses set ``name`` and the capability flags, and implement :meth:`mix`.
+    Subclasses set ``name`` and the capability flags, implement :meth:`mix`, and state their cost
+    (:meth:`mixing_flops`, :meth:`mixing_memory`, and :meth:`qkv_flops` where it differs), which
+    ``visattn-bench`` reads.
     """
 
     name: ClassVar[str]
@@ -71,12 +81,9 @@ class GridAttention(nn.Module, ABC):
 
     def set_grid(self, grid: tuple[int, int], num_prefix_tokens: int = 0) -> None:
         """Tell the layer the patch grid (H, W) and how many prefix tokens precede the patches."""
-        h, w = (int(g) for g in grid)
-        if h < 1 or w < 1 or num_prefix_tokens < 0:
-            raise ValueError(
-                f"{self.name}: grid must be (H, W) with H, W >= 1 and num_prefix_tokens >= 0, "
-                f"got grid={tuple(grid)}, num_prefix_tokens={num_prefix_tokens}"
-            )
+        h, w = check_grid_size(grid, "grid", self.name)
+        if num_prefix_tokens < 0:
+            raise ValueError(f"{self.name}: num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
         self.grid = (h, w)
         self.num_prefix_tokens = int(num_prefix_tokens)
 
@@ -88,12 +95,7 @@ class GridAttention(nn.Module, ABC):
                 f"{self.name}: the patch grid is not set; build the model with timm.create_model('visattn_vit_...'), "
                 "use visattn.convert(model, ...), or call set_grid((H, W), num_prefix_tokens) first"
             )
-        h, w = self.grid
-        if self.num_prefix_tokens + h * w != num_tokens:
-            raise ValueError(
-                f"{self.name}: N={num_tokens} tokens do not match num_prefix_tokens={self.num_prefix_tokens} "
-                f"+ grid {h}x{w} = {self.num_prefix_tokens + h * w}"
-            )
+        check_grid(self.grid, num_tokens, self.num_prefix_tokens, self.name)
         return self.grid
 
     def forward(
@@ -119,12 +121,10 @@ class GridAttention(nn.Module, ABC):
     ) -> torch.Tensor:
         """The qkv projection, then :meth:`mix`: (B, N, C) -> (B, N, C) with the heads merged. A layer
         whose mixing commutes with part of the projection overrides this to fuse the two."""
-        B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # (B, heads, N, d)
+        q, k, v = split_qkv(self.qkv(x), self.num_heads)  # (B, heads, N, d)
         q, k = self.q_norm(q), self.k_norm(k)
         x = self.mix(q, k, v, grid=grid, attn_mask=attn_mask, is_causal=is_causal)  # (B, heads, N, d)
-        return x.transpose(1, 2).reshape(B, N, C)
+        return merge_heads(x)
 
     @abstractmethod
     def mix(
@@ -137,6 +137,41 @@ class GridAttention(nn.Module, ABC):
         is_causal: bool,
     ) -> torch.Tensor:
         """Token mixing on (B, heads, N, d) -> (B, heads, N, d)."""
+
+    @classmethod
+    def mixing_flops(cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any]) -> int:
+        """Forward FLOPs of one block's token mixing for one image (counting rules: :mod:`visattn.layers.cost`).
+
+        Args:
+            layout: the prefix tokens and patch grid.
+            num_heads, head_dim: h heads of width d.
+            options: the type options the layer is built with, defaults included.
+        """
+        raise NotImplementedError(f"{cls.__name__} states no mixing_flops; the benchmark needs it to count its cost")
+
+    @classmethod
+    def mixing_memory(
+        cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any], act_bytes: int
+    ) -> MixingMemory:
+        """Bytes of one block's token mixing with activations of ``act_bytes`` bytes (see :meth:`mixing_flops`)."""
+        raise NotImplementedError(f"{cls.__name__} states no mixing_memory; the benchmark needs it to estimate memory")
+
+    @classmethod
+    def qkv_flops(cls, layout: TokenLayout, dim: int, options: Mapping[str, Any]) -> int:
+        """Forward FLOPs of the qkv projection for one image: ``6 N C^2``. A type that projects part of q,
+        k, v on fewer tokens overrides this."""
+        return 6 * layout.num_tokens * dim * dim
+
+    @classmethod
+    def type_options(cls) -> dict[str, Any]:
+        """The options of this type beyond timm's contract (its keyword-only constructor arguments) and
+        their defaults; what ``convert(..., **options)``, ``attn_kwargs`` and the cost formulas accept."""
+        contract = inspect.signature(GridAttention.__init__).parameters
+        return {
+            p.name: p.default
+            for p in inspect.signature(cls.__init__).parameters.values()
+            if p.kind is p.KEYWORD_ONLY and p.name not in contract
+        }
 
     @property
     def dropout_p(self) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from visattn.layers.base import GridAttention
+from visattn.layers.cost import MixingMemory
 
 
 class FloorAttention(GridAttention):
@@ -18,3 +19,11 @@ class FloorAttention(GridAttention):
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
         return v
+
+    @classmethod
+    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+        return 0
+
+    @classmethod
+    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+        return MixingMemory(infer=0, train=0)

@@ -1,12 +1,16 @@
 """Linear attention layer (Katharopoulos et al. 2020), with an optional 2D locality term."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
-from visattn import ops
 from visattn.layers.base import GridAttention
-from visattn.ops.linear import get_feature_map, linear_from_input, linear_packed
+from visattn.layers.cost import MixingMemory
+from visattn.ops._layout import image_to_tokens, merge_heads, split_heads, split_prefix, tokens_to_image
+from visattn.ops.backends import choose_linear_projection_backend, select_backend
+from visattn.ops.linear import fused_qkv_linear_attn, get_feature_map, linear_attn, packed_linear_attn
 
 
 class LinearAttention(GridAttention):
@@ -17,9 +21,9 @@ class LinearAttention(GridAttention):
         chunk_size: chunk length of the causal form (``is_causal=True``, raster order).
         dwconv_kernel: odd k: add a depthwise k x k convolution of V over the patch grid to the output
             (the locality term of FLatten Transformer and MLLA); None: pure linear attention, which then
-            needs no grid and supports ``is_causal``. Linear attention alone spreads its weight thinly over
-            all tokens and has no notion of neighbourhood: on the embedded digits recipe, test accuracy
-            was 88.6% without the term and 98.1% with k = 3, hence the default of 3.
+            needs no grid and supports ``is_causal``. The default is 3 because linear attention alone
+            spreads its weight thinly over all tokens and has no notion of neighbourhood, which image
+            tasks depend on; the smallest window that has neighbours restores it for little compute.
     """
 
     name = "linear"
@@ -29,32 +33,21 @@ class LinearAttention(GridAttention):
         self,
         dim: int,
         num_heads: int = 8,
-        qkv_bias: bool = False,
-        qk_norm: bool = False,
-        scale_norm: bool = False,
-        proj_bias: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        norm_layer: type[nn.Module] | None = None,
-        device=None,
-        dtype=None,
         *,
         feature_map: str = "elu",
         chunk_size: int = 64,
         dwconv_kernel: int | None = 3,
+        **contract: Any,
     ) -> None:
-        super().__init__(
-            dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop, norm_layer, device, dtype
-        )
+        super().__init__(dim, num_heads, **contract)
         get_feature_map(feature_map)  # fail early on a bad name
         if dwconv_kernel is not None and (not isinstance(dwconv_kernel, int) or dwconv_kernel < 1 or dwconv_kernel % 2 == 0):
             raise ValueError(f"linear: dwconv_kernel must be None or an odd integer >= 1, got {dwconv_kernel!r}")
         self.feature_map = feature_map
         self.chunk_size = chunk_size
+        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}  # as the projections
         self.dwconv = (
-            nn.Conv2d(dim, dim, dwconv_kernel, padding=dwconv_kernel // 2, groups=dim, device=device, dtype=dtype)
-            if dwconv_kernel
-            else None
+            nn.Conv2d(dim, dim, dwconv_kernel, padding=dwconv_kernel // 2, groups=dim, **dd) if dwconv_kernel else None
         )
 
     @property
@@ -62,19 +55,27 @@ class LinearAttention(GridAttention):
         return self.dwconv is not None
 
     def project_and_mix(self, x, grid, attn_mask, is_causal) -> torch.Tensor:
-        """Non-causal: without autograd (inference) the mixing is fused with the qkv projection block by
-        block of tokens (:func:`visattn.ops.linear.linear_from_input`), so the (B, N, 3 C) projection is
-        never formed; with autograd and no q/k norm it runs on the projection itself
-        (:func:`visattn.ops.linear.linear_packed`), whose gradient then comes back in one piece."""
-        if is_causal or torch.compiler.is_compiling():
-            return super().project_and_mix(x, grid, attn_mask, is_causal)
-        if not torch.is_grad_enabled():
-            out, values = linear_from_input(
+        """On the path :func:`visattn.ops.backends.choose_linear_projection_backend` picks (force one with
+        ``force_backend("linear_projection", ...)``): ``"fused_qkv"`` fuses the mixing with the qkv
+        projection block by block of tokens (:func:`visattn.ops.linear.fused_qkv_linear_attn`, inference
+        only), so the (B, N, 3 C) projection is never formed; ``"packed"`` runs on the projection itself
+        (:func:`visattn.ops.linear.packed_linear_attn`, no q/k norm), whose gradient then comes back in
+        one piece; ``"split"`` splits the heads and calls :meth:`mix`."""
+        has_qk_norm = not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity))
+        name = select_backend(
+            "linear_projection", None, lambda: choose_linear_projection_backend(is_causal, has_qk_norm)
+        )
+        if name != "split" and is_causal:
+            raise ValueError(f"linear: the {name!r} projection path is non-causal; is_causal=True needs 'split'")
+        if name == "fused_qkv":
+            out, values = fused_qkv_linear_attn(
                 x, self.qkv.weight, self.qkv.bias, self.num_heads, self.feature_map,
                 q_norm=self.q_norm, k_norm=self.k_norm, keep_values=True,
             )
-        elif isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
-            out, values = linear_packed(self.qkv(x), self.num_heads, self.feature_map)
+        elif name == "packed":
+            if has_qk_norm:
+                raise ValueError("linear: the 'packed' projection path has no q/k norm; use 'split' or 'fused_qkv'")
+            out, values = packed_linear_attn(self.qkv(x), self.num_heads, self.feature_map)
         else:
             return super().project_and_mix(x, grid, attn_mask, is_causal)
         return self._add_locality(out, values, grid)
@@ -82,12 +83,12 @@ class LinearAttention(GridAttention):
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
         if is_causal and self.dwconv is not None:
             raise ValueError("linear: is_causal=True cannot be combined with dwconv_kernel (the convolution sees later tokens)")
-        out = ops.linear(q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size)
+        out = linear_attn(q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size)
         if self.dwconv is None:
             return out
-        # (B, N, C): a view when the op's output is token-major, a copy otherwise (a compiled graph)
-        merged = self._add_locality(out.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2), grid)
-        return merged.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+        # (B, N, C): a view when the op's output is token-major, a copy otherwise (the plain path)
+        merged = self._add_locality(merge_heads(out), merge_heads(v), grid)
+        return split_heads(merged, self.num_heads)
 
     def _add_locality(self, out: torch.Tensor, values: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
         """Adds the depthwise convolution of the patch values over the grid to the patch outputs, in place.
@@ -97,11 +98,32 @@ class LinearAttention(GridAttention):
         """
         if self.dwconv is None:
             return out
-        p = self.num_prefix_tokens
-        v_img = values[:, p:].unflatten(1, grid).permute(0, 3, 1, 2)  # (B, C, H, W)
-        local = self.dwconv(v_img).permute(0, 2, 3, 1).flatten(1, 2)  # (B, H * W, C)
-        out[:, p:] += local
+        _, patch_values = split_prefix(values, self.num_prefix_tokens, dim=1)
+        _, patch_out = split_prefix(out, self.num_prefix_tokens, dim=1)  # a view: added to in place
+        patch_out += image_to_tokens(self.dwconv(tokens_to_image(patch_values, grid)))  # (B, H * W, C)
         return out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", feature_map={self.feature_map!r}"
+
+    @classmethod
+    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+        """``2 N C (2 d + 1)``: phi(K)^T V is ``2 N d^2`` per head, phi(Q) [KV | sum phi(K)] ``2 N d (d + 1)``;
+        plus ``2 M C k^2`` for the depthwise k x k convolution over the M patches (``dwconv_kernel``)."""
+        n, c = layout.num_tokens, num_heads * head_dim
+        flops = 2 * n * c * (2 * head_dim + 1)
+        kernel = options.get("dwconv_kernel")
+        if kernel:
+            flops += 2 * layout.num_patches * c * kernel**2
+        return flops
+
+    @classmethod
+    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+        """Token blocks of fp32 work stay small; the output is the only N x C tensor. The backward keeps q,
+        k, v (the qkv output) and the (d, d + 1) state, and recomputes the feature maps."""
+        n, c = layout.num_tokens, num_heads * head_dim
+        infer, train = n * c * act_bytes, 3 * n * c * act_bytes
+        if options.get("dwconv_kernel"):
+            infer += 3 * layout.num_patches * c * act_bytes
+            train += 2 * layout.num_patches * c * act_bytes
+        return MixingMemory(infer=infer, train=train)

@@ -1,13 +1,16 @@
 """Linformer attention layer (Wang et al. 2020): keys and values projected along the token axis."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from visattn import ops
 from visattn.layers.base import GridAttention
-from visattn.ops.linformer import area_pooling_projection, project_keys_values
+from visattn.layers.cost import MixingMemory
+from visattn.ops._layout import merge_heads, split_heads
+from visattn.ops.linformer import area_pooling_projection, linformer_attn, project_keys_values, resample_projection
 
 
 class LinformerAttention(GridAttention):
@@ -33,27 +36,18 @@ class LinformerAttention(GridAttention):
         self,
         dim: int,
         num_heads: int = 8,
-        qkv_bias: bool = False,
-        qk_norm: bool = False,
-        scale_norm: bool = False,
-        proj_bias: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        norm_layer: type[nn.Module] | None = None,
-        device=None,
-        dtype=None,
         *,
         k: int = 256,
         ref_grid: tuple[int, int] = (14, 14),
+        **contract: Any,
     ) -> None:
-        super().__init__(
-            dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop, norm_layer, device, dtype
-        )
+        super().__init__(dim, num_heads, **contract)
         init = area_pooling_projection(k, ref_grid)  # validates k and ref_grid
         self.k = k
         self.ref_grid = (int(ref_grid[0]), int(ref_grid[1]))
-        self.proj_k = nn.Parameter(init.to(device=device, dtype=dtype))
-        self.proj_v = nn.Parameter(init.to(device=device, dtype=dtype, copy=True))  # its own storage, not proj_k's
+        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}  # as the projections
+        self.proj_k = nn.Parameter(init.to(**dd))
+        self.proj_v = nn.Parameter(init.to(**dd, copy=True))  # its own storage, not proj_k's
 
     def reset_parameters(self) -> None:
         """Area-pooling projections (timm's weight init calls this; qkv and proj are its own Linears)."""
@@ -69,28 +63,50 @@ class LinformerAttention(GridAttention):
         # E X costs what E K does, so projecting first saves the key and value projections of H W - k tokens
         if not isinstance(self.k_norm, nn.Identity) or self.k >= grid[0] * grid[1]:
             return super().project_and_mix(x, grid, attn_mask, is_causal)
-        B, N, C = x.shape
+        C = x.shape[-1]
         weight, bias = self.qkv.weight, self.qkv.bias
         q = F.linear(x, weight[:C], None if bias is None else bias[:C])
         keys, values = project_keys_values(
             x, *self._live_projections(grid), weight[C:], None if bias is None else bias[C:], self.num_prefix_tokens
         )  # (B, P + k, C) each
-
-        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, n, C) -> (B, heads, n, d)
-            return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(self.q_norm(heads(q)), heads(keys), heads(values), dropout_p=self.dropout_p)
-        return out.transpose(1, 2).reshape(B, N, C)
+        q, keys, values = (split_heads(t, self.num_heads) for t in (q, keys, values))  # (B, heads, n, d)
+        return merge_heads(F.scaled_dot_product_attention(self.q_norm(q), keys, values, dropout_p=self.dropout_p))
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
         proj_k, proj_v = self._live_projections(grid)
-        return ops.linformer(
+        return linformer_attn(
             q, k, v, proj_k, proj_v, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p
         )
 
     def _live_projections(self, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """proj_k and proj_v resampled to the live grid, each (k, H * W)."""
-        return tuple(ops.resample_projection(p, self.ref_grid, grid) for p in (self.proj_k, self.proj_v))
+        return tuple(resample_projection(p, self.ref_grid, grid) for p in (self.proj_k, self.proj_v))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", k={self.k}, ref_grid={self.ref_grid}"
+
+    @classmethod
+    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+        """``4 C (k M + N (P + k))``: K and V projected to k tokens, then N x (P + k) attention."""
+        k, p = options["k"], layout.num_prefix_tokens
+        return 4 * num_heads * head_dim * (k * layout.num_patches + layout.num_tokens * (p + k))
+
+    @classmethod
+    def qkv_flops(cls, layout, dim, options) -> int:
+        """With k < H W the keys and values are projected from ``E X`` (see :meth:`project_and_mix`), on
+        P + k tokens instead of N: ``2 N C^2 + 4 (P + k) C^2`` (counted without a key norm)."""
+        k = options["k"]
+        if k >= layout.num_patches:
+            return super().qkv_flops(layout, dim, options)
+        return 2 * layout.num_tokens * dim * dim + 4 * (layout.num_prefix_tokens + k) * dim * dim
+
+    @classmethod
+    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+        """Projected keys and values (k x C each) and the output; the backward keeps q, k, v. Each block
+        resamples its two (k, H W) projections, shared by the batch; the backward keeps them."""
+        k, n, c = options["k"], layout.num_tokens, num_heads * head_dim
+        return MixingMemory(
+            infer=(n * c + 4 * k * c) * act_bytes,
+            train=(4 * n * c + 4 * k * c) * act_bytes,
+            shared=2 * k * layout.num_patches * 4,
+        )

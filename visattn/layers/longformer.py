@@ -1,13 +1,17 @@
 """2D Longformer layer (ViL-style): local windows on the patch grid plus global tokens."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
-from visattn import ops
 from visattn.layers.base import GridAttention
+from visattn.layers.cost import MixingMemory, tiled_memory
 from visattn.ops._checks import check_nonnegative_int
-from visattn.ops.longformer import check_local_options
+from visattn.ops._layout import split_prefix, split_qkv
+from visattn.ops.local import AxisTiling, blocked_tiling, neighborhood_tiling
+from visattn.ops.longformer import check_local_options, longformer_attn
 
 
 class LongformerAttention(GridAttention):
@@ -32,15 +36,6 @@ class LongformerAttention(GridAttention):
         self,
         dim: int,
         num_heads: int = 8,
-        qkv_bias: bool = False,
-        qk_norm: bool = False,
-        scale_norm: bool = False,
-        proj_bias: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        norm_layer: type[nn.Module] | None = None,
-        device=None,
-        dtype=None,
         *,
         local: str = "neighborhood",
         kernel_size: int = 7,
@@ -48,10 +43,9 @@ class LongformerAttention(GridAttention):
         halo: int = 3,
         tile_size: int = 8,
         num_extra_global_tokens: int = 0,
+        **contract: Any,
     ) -> None:
-        super().__init__(
-            dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop, norm_layer, device, dtype
-        )
+        super().__init__(dim, num_heads, **contract)
         check_local_options(local, kernel_size, block_size, halo, tile_size)
         check_nonnegative_int(num_extra_global_tokens, "num_extra_global_tokens", self.name)
         self.local = local
@@ -61,31 +55,35 @@ class LongformerAttention(GridAttention):
         self.tile_size = tile_size
         self.num_extra_global_tokens = num_extra_global_tokens
         if num_extra_global_tokens:
-            self.global_tokens = nn.Parameter(torch.empty(num_extra_global_tokens, dim, device=device, dtype=dtype))
+            dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}  # as the projections
+            self.global_tokens = nn.Parameter(torch.empty(num_extra_global_tokens, dim, **dd))
             nn.init.trunc_normal_(self.global_tokens, std=0.02)
         else:
             self.register_parameter("global_tokens", None)
 
     def extra_qkv(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of the learned global tokens, each (B, heads, E, d)."""
-        qkv = self.qkv(self.global_tokens).reshape(self.num_extra_global_tokens, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.permute(1, 2, 0, 3).unbind(0)  # (heads, E, d)
+        q, k, v = split_qkv(self.qkv(self.global_tokens), self.num_heads)  # (heads, E, d) each
         q, k = self.q_norm(q), self.k_norm(k)
         return tuple(t.expand(batch_size, -1, -1, -1) for t in (q, k, v))
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
-        p = self.num_prefix_tokens
-        if self.global_tokens is not None:
-            extra = self.extra_qkv(q.shape[0])
-            q, k, v = (torch.cat([t[:, :, :p], e.to(t.dtype), t[:, :, p:]], dim=2) for t, e in zip((q, k, v), extra))
-        g = p + self.num_extra_global_tokens
-        out = ops.longformer(
-            q, k, v, grid, g, local=self.local, kernel_size=self.kernel_size, block_size=self.block_size,
+        p, extra = self.num_prefix_tokens, self.num_extra_global_tokens
+
+        def with_extra(t: torch.Tensor, e: torch.Tensor) -> torch.Tensor:  # the extra tokens after the prefix
+            prefix, patches = split_prefix(t, p)
+            return torch.cat([prefix, e.to(t.dtype), patches], dim=2)
+
+        if extra:
+            q, k, v = (with_extra(t, e) for t, e in zip((q, k, v), self.extra_qkv(q.shape[0])))
+        out = longformer_attn(
+            q, k, v, grid, p + extra, local=self.local, kernel_size=self.kernel_size, block_size=self.block_size,
             halo=self.halo, tile_size=self.tile_size, dropout_p=self.dropout_p,
         )  # (B, heads, G + H*W, d)
-        if g == p:
+        if not extra:
             return out
-        return torch.cat([out[:, :, :p], out[:, :, g:]], dim=2)
+        prefix, _, patches = out.split([p, extra, grid[0] * grid[1]], dim=2)
+        return torch.cat([prefix, patches], dim=2)
 
     def extra_repr(self) -> str:
         if self.local == "neighborhood":
@@ -96,3 +94,26 @@ class LongformerAttention(GridAttention):
             super().extra_repr()
             + f", local={self.local!r}, {window}, num_extra_global_tokens={self.num_extra_global_tokens}"
         )
+
+    @classmethod
+    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+        """``4 C (S_H S_W + M G + G (G + M))`` with the keys S of the local window (see the neighborhood and
+        sparse layers) and G = P + extra global tokens; ``+ 6 E C^2`` to project the E extra global
+        tokens (once per forward, whatever the batch; counted per image as if the batch were 1)."""
+        rows, cols = cls._tilings(layout.grid, options)
+        extra = options["num_extra_global_tokens"]
+        g, m, c = layout.num_prefix_tokens + extra, layout.num_patches, num_heads * head_dim
+        return 4 * c * (rows.keys_seen * cols.keys_seen + m * g + g * (g + m)) + 6 * extra * c * c
+
+    @classmethod
+    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+        g = layout.num_prefix_tokens + options["num_extra_global_tokens"]  # every patch sees the global keys
+        return tiled_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), g, act_bytes)
+
+    @staticmethod
+    def _tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:
+        if options["local"] == "neighborhood":
+            rows, cols = (neighborhood_tiling(n, options["kernel_size"], options["tile_size"]) for n in grid)
+        else:
+            rows, cols = (blocked_tiling(n, options["block_size"], options["halo"]) for n in grid)
+        return rows, cols

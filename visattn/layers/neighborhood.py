@@ -1,12 +1,14 @@
 """2D neighbourhood attention layer (NATTEN semantics): each patch sees its k x k grid neighbours."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn as nn
 
 from visattn.layers.base import GridAttention
+from visattn.layers.cost import MixingMemory, tiled_memory, windowed_flops
 from visattn.ops._checks import check_positive_int
-from visattn.ops.local import neighborhood_axis, tiled_local_attention
+from visattn.ops.local import AxisTiling, neighborhood_axis, neighborhood_tiling, tiled_local_attn
 
 
 class NeighborhoodAttention(GridAttention):
@@ -26,22 +28,12 @@ class NeighborhoodAttention(GridAttention):
         self,
         dim: int,
         num_heads: int = 8,
-        qkv_bias: bool = False,
-        qk_norm: bool = False,
-        scale_norm: bool = False,
-        proj_bias: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        norm_layer: type[nn.Module] | None = None,
-        device=None,
-        dtype=None,
         *,
         kernel_size: int = 7,
         tile_size: int = 8,
+        **contract: Any,
     ) -> None:
-        super().__init__(
-            dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop, norm_layer, device, dtype
-        )
+        super().__init__(dim, num_heads, **contract)
         check_positive_int(kernel_size, "kernel_size", self.name, odd=True)
         check_positive_int(tile_size, "tile_size", self.name)
         self.kernel_size = kernel_size
@@ -50,9 +42,23 @@ class NeighborhoodAttention(GridAttention):
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
         rows = neighborhood_axis(grid[0], self.kernel_size, self.tile_size, q.device)
         cols = neighborhood_axis(grid[1], self.kernel_size, self.tile_size, q.device)
-        return tiled_local_attention(
+        return tiled_local_attn(
             q, k, v, rows, cols, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p
         )
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", kernel_size={self.kernel_size}, tile_size={self.tile_size}"
+
+    @classmethod
+    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+        """``4 C (S_H S_W + P N)`` with ``S_L = L min(k, L)``: the k x k window of every patch."""
+        return windowed_flops(layout, num_heads * head_dim, *cls._tilings(layout.grid, options))
+
+    @classmethod
+    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+        return tiled_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), 0, act_bytes)
+
+    @staticmethod
+    def _tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:
+        rows, cols = (neighborhood_tiling(length, options["kernel_size"], options["tile_size"]) for length in grid)
+        return rows, cols

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from visattn import ops
 from visattn.layers.base import GridAttention
+from visattn.layers.cost import MixingMemory
+from visattn.ops.softmax import softmax_attn
 
 
 class SoftmaxAttention(GridAttention):
@@ -17,4 +18,15 @@ class SoftmaxAttention(GridAttention):
     supports_attn_drop = True
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
-        return ops.softmax(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=self.dropout_p)
+        return softmax_attn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=self.dropout_p)
+
+    @classmethod
+    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+        """``4 N^2 C``: QK^T and AV, each ``2 N^2 d`` per head."""
+        return 4 * layout.num_tokens**2 * num_heads * head_dim
+
+    @classmethod
+    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+        """Fused SDPA: the output and an fp32 log-sum-exp per row; the backward keeps q, k, v (the qkv output)."""
+        n, c = layout.num_tokens, num_heads * head_dim
+        return MixingMemory(infer=n * c * act_bytes, train=4 * n * c * act_bytes + 4 * num_heads * n)

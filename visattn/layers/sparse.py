@@ -1,12 +1,14 @@
 """2D blocked local attention layer with a halo (HaloNet): b x b query blocks see the block plus a halo."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn as nn
 
 from visattn.layers.base import GridAttention
+from visattn.layers.cost import MixingMemory, tiled_memory, windowed_flops
 from visattn.ops._checks import check_nonnegative_int, check_positive_int
-from visattn.ops.local import blocked_axis, tiled_local_attention
+from visattn.ops.local import AxisTiling, blocked_axis, blocked_tiling, tiled_local_attn
 
 
 class SparseAttention(GridAttention):
@@ -25,22 +27,12 @@ class SparseAttention(GridAttention):
         self,
         dim: int,
         num_heads: int = 8,
-        qkv_bias: bool = False,
-        qk_norm: bool = False,
-        scale_norm: bool = False,
-        proj_bias: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        norm_layer: type[nn.Module] | None = None,
-        device=None,
-        dtype=None,
         *,
         block_size: int = 8,
         halo: int = 3,
+        **contract: Any,
     ) -> None:
-        super().__init__(
-            dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop, norm_layer, device, dtype
-        )
+        super().__init__(dim, num_heads, **contract)
         check_positive_int(block_size, "block_size", self.name)
         check_nonnegative_int(halo, "halo", self.name)
         self.block_size = block_size
@@ -49,9 +41,24 @@ class SparseAttention(GridAttention):
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
         rows = blocked_axis(grid[0], self.block_size, self.halo, q.device)
         cols = blocked_axis(grid[1], self.block_size, self.halo, q.device)
-        return tiled_local_attention(
+        return tiled_local_attn(
             q, k, v, rows, cols, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p
         )
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", block_size={self.block_size}, halo={self.halo}"
+
+    @classmethod
+    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+        """``4 C (S_H S_W + P N)`` with ``S_L = sum_i |block(i) + halo|``: each query's block plus halo,
+        cut at the border."""
+        return windowed_flops(layout, num_heads * head_dim, *cls._tilings(layout.grid, options))
+
+    @classmethod
+    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+        return tiled_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), 0, act_bytes)
+
+    @staticmethod
+    def _tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:
+        rows, cols = (blocked_tiling(length, options["block_size"], options["halo"]) for length in grid)
+        return rows, cols

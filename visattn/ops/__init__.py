@@ -1,31 +1,39 @@
-"""Functional attention ops: pure functions on tensors, each with a naive ``*_reference`` twin."""
-from visattn.ops.axial import axial, axial_packed, axial_reference
-from visattn.ops.linear import linear, linear_from_input, linear_packed, linear_reference, linear_step
-from visattn.ops.linformer import linformer, linformer_reference, project_keys_values, resample_projection
-from visattn.ops.longformer import longformer, longformer_reference
-from visattn.ops.neighborhood import neighborhood, neighborhood_reference
-from visattn.ops.softmax import softmax, softmax_reference
-from visattn.ops.sparse import sparse, sparse_reference
+"""Functional attention ops: pure functions on tensors, each ``<type>_attn`` with a ``naive_<type>_attn``
+twin (explicit N x N scores with a mask, or explicit sums). Where an op has several paths, the
+choice is made in :mod:`visattn.ops.backends` and can be forced with the op's ``backend=`` argument."""
+from visattn.ops.axial import axial_attn, naive_axial_attn, packed_axial_attn
+from visattn.ops.linear import (
+    fused_qkv_linear_attn,
+    linear_attn,
+    linear_attn_step,
+    naive_linear_attn,
+    packed_linear_attn,
+)
+from visattn.ops.linformer import linformer_attn, naive_linformer_attn, project_keys_values, resample_projection
+from visattn.ops.longformer import longformer_attn, naive_longformer_attn
+from visattn.ops.neighborhood import naive_neighborhood_attn, neighborhood_attn
+from visattn.ops.softmax import naive_softmax_attn, softmax_attn
+from visattn.ops.sparse import naive_sparse_attn, sparse_attn
 
 __all__ = [
-    "axial",
-    "axial_packed",
-    "axial_reference",
-    "linear",
-    "linear_from_input",
-    "linear_packed",
-    "linear_reference",
-    "linear_step",
-    "linformer",
-    "linformer_reference",
-    "longformer",
-    "longformer_reference",
-    "neighborhood",
-    "neighborhood_reference",
+    "axial_attn",
+    "fused_qkv_linear_attn",
+    "linear_attn",
+    "linear_attn_step",
+    "linformer_attn",
+    "longformer_attn",
+    "naive_axial_attn",
+    "naive_linear_attn",
+    "naive_linformer_attn",
+    "naive_longformer_attn",
+    "naive_neighborhood_attn",
+    "naive_softmax_attn",
+    "naive_sparse_attn",
+    "neighborhood_attn",
+    "packed_axial_attn",
+    "packed_linear_attn",
     "project_keys_values",
     "resample_projection",
-    "softmax",
-    "softmax_reference",
-    "sparse",
-    "sparse_reference",
+    "softmax_attn",
+    "sparse_attn",
 ]

@@ -30,13 +30,26 @@ def check_qkv_grid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str) -
         raise ValueError(f"{op}: q and k must share head_dim; got {q.shape[-1]} and {k.shape[-1]}")
 
 
+def check_packed_qkv(qkv: torch.Tensor, num_heads: int, op: str) -> None:
+    """qkv must be timm's projection (B, N, 3 C) with C divisible by num_heads."""
+    if qkv.ndim != 3 or num_heads < 1 or qkv.shape[-1] % (3 * num_heads):
+        raise ValueError(
+            f"{op}: qkv must be (B, N, 3 * C) with C divisible by num_heads={num_heads}, got {tuple(qkv.shape)}"
+        )
+
+
+def check_grid_size(grid: tuple[int, int], name: str, op: str) -> tuple[int, int]:
+    """A grid must be (H, W) with H, W >= 1; returns it as two ints."""
+    if len(grid) != 2 or any(int(g) < 1 for g in grid):
+        raise ValueError(f"{op}: {name} must be (H, W) with H, W >= 1, got {tuple(grid)}")
+    return int(grid[0]), int(grid[1])
+
+
 def check_grid(grid: tuple[int, int], num_tokens: int, num_prefix_tokens: int, op: str) -> tuple[int, int]:
     """The token count must be prefix tokens + H * W."""
-    if len(grid) != 2 or any(int(g) < 1 for g in grid):
-        raise ValueError(f"{op}: grid must be (H, W) with H, W >= 1, got {grid}")
+    h, w = check_grid_size(grid, "grid", op)
     if num_prefix_tokens < 0:
         raise ValueError(f"{op}: num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
-    h, w = int(grid[0]), int(grid[1])
     if num_prefix_tokens + h * w != num_tokens:
         raise ValueError(
             f"{op}: N={num_tokens} tokens do not match num_prefix_tokens={num_prefix_tokens} + "

@@ -16,6 +16,9 @@ from functools import lru_cache, wraps
 import torch
 import torch.nn.functional as F
 
+from visattn.ops._layout import merge_heads, split_heads
+from visattn.ops._pieces import items_per_piece, pieces
+
 # A chunk's gathered keys (and values, and queries) hold about this many values each.
 CHUNK_ELEMENTS = 1 << 20
 
@@ -68,8 +71,7 @@ def _chunks(seqs: Sequences, per_chunk: int, batch: int, num_tokens: int) -> tup
     """The chunks of ``per_chunk`` sequences, as row indices into the (B * N, .) token matrix."""
     offset = torch.arange(batch, device=seqs.q_index.device)[:, None] * num_tokens  # (B, 1)
     chunks = []
-    for start in range(0, seqs.num_seqs, per_chunk):
-        part = slice(start, min(start + per_chunk, seqs.num_seqs))
+    for part in pieces(seqs.num_seqs, per_chunk):
         dest = seqs.dest[part].flatten()
         kept = dest >= 0
         chunks.append(
@@ -104,7 +106,7 @@ def attend_in_chunks(
         ``seqs.dest``; the other rows are left uninitialised for the caller.
     """
     L, S = seqs.q_index.shape[1], seqs.kv_index.shape[1]
-    per_chunk = max(1, CHUNK_ELEMENTS // (batch * S * k.shape[1]))
+    per_chunk = items_per_piece(CHUNK_ELEMENTS, batch * S * k.shape[1])
     buffers: dict[tuple[str, int], torch.Tensor] = {}
     out = None
 
@@ -113,7 +115,7 @@ def attend_in_chunks(
         if buf is None:
             buf = buffers[name, rows.shape[0]] = t.new_empty(rows.shape[0], t.shape[1])
         torch.index_select(t, 0, rows, out=buf)
-        return buf.view(batch * seqs_in_chunk, -1, heads, t.shape[1] // heads).transpose(1, 2)
+        return split_heads(buf.view(batch * seqs_in_chunk, -1, t.shape[1]), heads)
 
     for chunk in _chunks(seqs, per_chunk, batch, q.shape[0] // batch):
         c = chunk.seqs.stop - chunk.seqs.start
@@ -128,7 +130,7 @@ def attend_in_chunks(
             attn_mask=bias,
             scale=scale,
         )  # (B * c, heads, L, d_v), token-major in memory
-        attn = attn.transpose(1, 2).reshape(batch * c * L, -1)
+        attn = merge_heads(attn).flatten(0, 1)  # (B * c * L, heads * d_v)
         if chunk.kept is not None:
             attn = attn.view(batch, c * L, -1)[:, chunk.kept].flatten(0, 1)
         if out is None:

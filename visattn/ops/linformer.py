@@ -16,14 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from visattn.ops._checks import check_positive_int, check_qkv
-from visattn.ops._reference import masked_attention_reference
-
-
-def _grid_size(grid: tuple[int, int], name: str, op: str) -> tuple[int, int]:
-    if len(grid) != 2 or any(int(g) < 1 for g in grid):
-        raise ValueError(f"{op}: {name} must be (H, W) with H, W >= 1, got {tuple(grid)}")
-    return int(grid[0]), int(grid[1])
+from visattn.ops._checks import check_grid_size, check_positive_int, check_qkv
+from visattn.ops._naive import naive_masked_attn
 
 
 def _check_projections(
@@ -45,7 +39,7 @@ def _check_projections(
         )
 
 
-def linformer(
+def linformer_attn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -68,8 +62,8 @@ def linformer(
     Returns:
         (B, heads, N, d)
     """
-    check_qkv(q, k, v, "linformer")
-    _check_projections(q, proj_k, proj_v, num_prefix_tokens, "linformer")
+    check_qkv(q, k, v, "linformer_attn")
+    _check_projections(q, proj_k, proj_v, num_prefix_tokens, "linformer_attn")
     p = num_prefix_tokens
     k_proj = proj_k.to(k.dtype) @ k[:, :, p:]  # (k, HW) @ (B, heads, HW, d) -> (B, heads, k, d)
     v_proj = proj_v.to(v.dtype) @ v[:, :, p:]
@@ -118,7 +112,7 @@ def project_keys_values(
     return out[0], out[1]
 
 
-def linformer_reference(
+def naive_linformer_attn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -127,16 +121,16 @@ def linformer_reference(
     num_prefix_tokens: int = 0,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Naive twin of :func:`linformer`: explicit sums over tokens, then explicit scores."""
-    check_qkv(q, k, v, "linformer_reference")
-    _check_projections(q, proj_k, proj_v, num_prefix_tokens, "linformer_reference")
+    """Naive twin of :func:`linformer_attn`: explicit sums over tokens, then explicit scores."""
+    check_qkv(q, k, v, "naive_linformer_attn")
+    _check_projections(q, proj_k, proj_v, num_prefix_tokens, "naive_linformer_attn")
     p = num_prefix_tokens
     k_proj = torch.einsum("jt,bhtd->bhjd", proj_k.to(k.dtype), k[:, :, p:])  # K'_j = sum_t E_jt K_t
     v_proj = torch.einsum("jt,bhtd->bhjd", proj_v.to(v.dtype), v[:, :, p:])
     keys = torch.cat([k[:, :, :p], k_proj], dim=2)
     values = torch.cat([v[:, :, :p], v_proj], dim=2)
     allowed = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=q.device)
-    return masked_attention_reference(q, keys, values, allowed, scale)
+    return naive_masked_attn(q, keys, values, allowed, scale)
 
 
 def resample_projection(proj: torch.Tensor, ref_grid: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
@@ -156,10 +150,10 @@ def resample_projection(proj: torch.Tensor, ref_grid: tuple[int, int], grid: tup
         ref_grid: (Hr, Wr), the grid the projection is defined on.
         grid: (H, W), the live patch grid.
     Returns:
-        (k, H * W) in proj's dtype, for :func:`linformer`.
+        (k, H * W) in proj's dtype, for :func:`linformer_attn`.
     """
-    hr, wr = _grid_size(ref_grid, "ref_grid", "resample_projection")
-    h, w = _grid_size(grid, "grid", "resample_projection")
+    hr, wr = check_grid_size(ref_grid, "ref_grid", "resample_projection")
+    h, w = check_grid_size(grid, "grid", "resample_projection")
     if proj.ndim != 3 or tuple(proj.shape[1:]) != (hr, wr):
         raise ValueError(
             f"resample_projection: proj must be (k, Hr, Wr) = (k, {hr}, {wr}), got shape {tuple(proj.shape)}"
@@ -197,7 +191,7 @@ def area_pooling_projection(k: int, grid: tuple[int, int]) -> torch.Tensor:
         (k, H, W), fp32.
     """
     check_positive_int(k, "k", "area_pooling_projection")
-    h, w = _grid_size(grid, "grid", "area_pooling_projection")
+    h, w = check_grid_size(grid, "grid", "area_pooling_projection")
     kh = max(div for div in range(1, math.isqrt(k) + 1) if k % div == 0)
     kw = k // kh
     rows, cols = _block_averages(kh, h), _block_averages(kw, w)  # (kh, H), (kw, W)

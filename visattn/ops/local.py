@@ -12,7 +12,8 @@ The gathers read the token-major layout (B, N, heads * d) that the qkv projectio
 keys of all heads are copied as whole rows, and the output comes back token-major, so the layer merges
 the heads with a view. Without autograd the tiles run a chunk at a time through
 :func:`visattn.ops._chunked.attend_in_chunks` (the gathered regions stay in cache); with autograd all
-tiles are gathered at once and the fused kernel's own backward pass applies.
+tiles are gathered at once and the fused kernel's own backward pass applies
+(:func:`visattn.ops.backends.choose_local_backend` decides).
 
 Each op only describes its windows per axis, as an :class:`AxisPlan`; the engine is the same.
 """
@@ -20,11 +21,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from visattn.ops._chunked import Sequences, attend_in_chunks, cache_per_inference_mode
+from visattn.ops._layout import merge_heads, split_heads
+from visattn.ops.backends import choose_local_backend, needs_autograd, select_backend
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,15 +66,39 @@ class AxisPlan:
         return (lo <= keys) & (keys < hi)
 
 
+class AxisTiling(NamedTuple):
+    """The sizes of one axis's tiling, in plain integers (the cost formulas of the layers read them too):
+    ``num_tiles`` query tiles of ``tile`` cells, each reading a key region of ``region`` cells, and
+    ``keys_seen``, the keys in the windows of the axis's ``length`` queries, summed."""
+
+    tile: int
+    num_tiles: int
+    region: int
+    keys_seen: int
+
+
+def neighborhood_tiling(length: int, kernel_size: int, tile_size: int) -> AxisTiling:
+    """The tiling of :func:`neighborhood_axis`: every query sees ``min(kernel_size, length)`` keys."""
+    k, tile = min(kernel_size, length), min(tile_size, length)
+    return AxisTiling(tile, math.ceil(length / tile), min(tile + k - 1, length), length * k)
+
+
+def blocked_tiling(length: int, block_size: int, halo: int) -> AxisTiling:
+    """The tiling of :func:`blocked_axis`: one tile per block; a block's queries see the block grown by
+    ``halo`` on each side, cut at the axis ends."""
+    block = min(block_size, length)
+    starts = range(0, length, block)
+    seen = sum((min(s + block, length) - s) * (min(s + block + halo, length) - max(s - halo, 0)) for s in starts)
+    return AxisTiling(block, len(starts), min(block + 2 * halo, length), seen)
+
+
 @cache_per_inference_mode(maxsize=64)
 def neighborhood_axis(length: int, kernel_size: int, tile: int, device: torch.device) -> AxisPlan:
     """NATTEN windows: query i sees ``[s, s + k)`` with ``s = clamp(i - k // 2, 0, length - k)``, i.e. the
     window is shifted inward at the borders so every query sees exactly k keys. A kernel wider than the
     axis is clamped to the axis: every query then sees the whole axis."""
     k = min(kernel_size, length)
-    tile = min(tile, length)
-    num_tiles = math.ceil(length / tile)
-    region = min(tile + k - 1, length)
+    tile, num_tiles, region, _ = neighborhood_tiling(length, kernel_size, tile)
     queries = torch.arange(num_tiles * tile, device=device)
     lo = (queries - k // 2).clamp(0, length - k)
     # The first query's window starts the region; the last one's ends at most tile - 1 + k cells later.
@@ -81,9 +110,7 @@ def neighborhood_axis(length: int, kernel_size: int, tile: int, device: torch.de
 def blocked_axis(length: int, block_size: int, halo: int, device: torch.device) -> AxisPlan:
     """HaloNet windows: the queries of block ``[s, s + b)`` see ``[s - halo, s + b + halo)`` cut to the
     axis; the last block may be partial. One tile is one block."""
-    block = min(block_size, length)
-    num_tiles = math.ceil(length / block)
-    region = min(block + 2 * halo, length)
+    block, num_tiles, region, _ = blocked_tiling(length, block_size, halo)
     block_start = torch.arange(num_tiles * block, device=device) // block * block
     lo = (block_start - halo).clamp_min(0)
     hi = (block_start + block + halo).clamp_max(length)
@@ -132,7 +159,7 @@ def _tile_layout(
     return _TileLayout(seqs, out_index, not (prefix_visible and p) and rows.self_only and cols.self_only)
 
 
-def tiled_local_attention(
+def tiled_local_attn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -142,6 +169,7 @@ def tiled_local_attention(
     prefix_visible: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Each patch query attends to its window (rows x cols), plus every prefix key if ``prefix_visible``,
     in one softmax; each prefix query attends to all N tokens.
@@ -152,16 +180,25 @@ def tiled_local_attention(
         rows, cols: the window plan of each axis.
         num_prefix_tokens: P, the tokens before the patches.
         prefix_visible: whether patch queries see the prefix keys (Longformer's global tokens) or not.
+        backend: ``"chunked"`` (tiles a chunk at a time through
+            :func:`visattn.ops._chunked.attend_in_chunks`; no autograd, no dropout) or ``"gathered"``
+            (all tiles at once, differentiable); None: chosen by
+            :func:`visattn.ops.backends.choose_local_backend`.
     Returns:
         (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor.
     """
     B, heads, N, _ = q.shape
     p = num_prefix_tokens
     layout = _tile_layout(rows, cols, p, prefix_visible, q.dtype)
-    needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    # inference runs chunk by chunk; a compiled graph gets the plain formulation, which the compiler fuses
-    if not (layout.self_only or needs_graph or dropout_p or torch.compiler.is_compiling()):
-        tokens = (t.transpose(1, 2).reshape(B * N, -1) for t in (q, k, v))  # views of a qkv projection
+    needs_grad = needs_autograd(q, k, v)
+    name = select_backend("local", backend, lambda: choose_local_backend(needs_grad, dropout_p, layout.self_only))
+    if name == "chunked":
+        if needs_grad or dropout_p:
+            raise ValueError(
+                f"tiled_local_attn: backend 'chunked' has no autograd and no dropout; got dropout_p={dropout_p} "
+                f"and inputs {'with' if needs_grad else 'without'} autograd; use 'gathered'"
+            )
+        tokens = (merge_heads(t).flatten(0, 1) for t in (q, k, v))  # (B * N, heads * d): views of a qkv projection
         out = attend_in_chunks(*tokens, layout.seqs, B, heads, scale).view(B, N, heads, -1)
         if p:
             out[:, :p] = F.scaled_dot_product_attention(q[:, :, :p], k, v, scale=scale).transpose(1, 2)
@@ -174,11 +211,11 @@ def tiled_local_attention(
         weight = F.dropout((scores - scores).exp(), dropout_p) if dropout_p else (scores - scores).exp()
         out = (v[:, :, p:] * weight).transpose(1, 2)  # (B, H * W, heads, d_v)
     else:
-        T, L, S = layout.seqs.kv_index.shape[0], layout.seqs.q_index.shape[1], layout.seqs.kv_index.shape[1]
+        T, L = layout.seqs.num_seqs, layout.seqs.q_index.shape[1]
 
         def gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # -> (B * T, heads, slots, d)
-            tokens = t.transpose(1, 2).reshape(B, N, -1)  # (B, N, heads * d): a view of a qkv projection
-            return tokens.index_select(1, index.flatten()).view(B * T, index.shape[1], heads, -1).transpose(1, 2)
+            tokens = merge_heads(t)  # (B, N, heads * d): a view of a qkv projection
+            return split_heads(tokens.index_select(1, index.flatten()).view(B * T, index.shape[1], -1), heads)
 
         bias = layout.seqs.bias if B == 1 else layout.seqs.bias.repeat(B, 1, 1, 1)
         out = F.scaled_dot_product_attention(
@@ -196,7 +233,7 @@ def tiled_local_attention(
     return out.transpose(1, 2)
 
 
-def local_on_grid(
+def local_attn_on_grid(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -204,7 +241,9 @@ def local_on_grid(
     cols: AxisPlan,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """:func:`tiled_local_attention` on the grid layout: q, k, v (B, heads, H, W, d) -> (B, heads, H, W, d_v)."""
-    flat = (t.flatten(2, 3) for t in (q, k, v))  # (B, heads, H * W, d)
-    return tiled_local_attention(*flat, rows, cols, dropout_p=dropout_p, scale=scale).unflatten(2, q.shape[2:4])
+    """:func:`tiled_local_attn` on the grid layout: q, k, v (B, heads, H, W, d) -> (B, heads, H, W, d_v)."""
+    flat = (rearrange(t, "b heads y x d -> b heads (y x) d") for t in (q, k, v))
+    out = tiled_local_attn(*flat, rows, cols, dropout_p=dropout_p, scale=scale, backend=backend)
+    return rearrange(out, "b heads (y x) d -> b heads y x d", y=q.shape[2])

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from visattn.ops._checks import check_grid, check_nonnegative_int, check_positive_int, check_qkv
-from visattn.ops._reference import masked_attention_reference
-from visattn.ops.local import AxisPlan, blocked_axis, neighborhood_axis, tiled_local_attention
+from visattn.ops._naive import naive_masked_attn
+from visattn.ops.local import AxisPlan, blocked_axis, neighborhood_axis, tiled_local_attn
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
 
@@ -39,7 +39,7 @@ def _axis_plan(
     return blocked_axis(length, block_size, halo, device)
 
 
-def longformer(
+def longformer_attn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -52,6 +52,7 @@ def longformer(
     tile_size: int = 8,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Local windows on the patch grid plus global tokens.
 
@@ -62,17 +63,20 @@ def longformer(
         local: ``"neighborhood"`` (uses kernel_size, tile_size) or ``"sparse"`` (uses block_size, halo).
         dropout_p: dropout on the attention weights.
         scale: score scale, default d^-0.5.
+        backend: the tiled engine's path, ``"chunked"`` or ``"gathered"`` (see
+            :func:`visattn.ops.local.tiled_local_attn`); None: chosen.
     Returns:
         (B, heads, N, d)
     """
-    check_qkv(q, k, v, "longformer")
-    check_nonnegative_int(num_global_tokens, "num_global_tokens", "longformer")
-    H, W = check_grid(grid, q.shape[2], num_global_tokens, "longformer")
+    check_qkv(q, k, v, "longformer_attn")
+    check_nonnegative_int(num_global_tokens, "num_global_tokens", "longformer_attn")
+    H, W = check_grid(grid, q.shape[2], num_global_tokens, "longformer_attn")
     check_local_options(local, kernel_size, block_size, halo, tile_size)
     rows = _axis_plan(local, H, kernel_size, block_size, halo, tile_size, q.device)
     cols = _axis_plan(local, W, kernel_size, block_size, halo, tile_size, q.device)
-    return tiled_local_attention(
-        q, k, v, rows, cols, num_prefix_tokens=num_global_tokens, prefix_visible=True, dropout_p=dropout_p, scale=scale
+    return tiled_local_attn(
+        q, k, v, rows, cols, num_prefix_tokens=num_global_tokens, prefix_visible=True, dropout_p=dropout_p, scale=scale,
+        backend=backend,
     )
 
 
@@ -97,7 +101,7 @@ def longformer_mask(
     return allowed
 
 
-def longformer_reference(
+def naive_longformer_attn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -109,6 +113,6 @@ def longformer_reference(
     halo: int = 3,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Naive twin of :func:`longformer`: explicit N x N scores with the local + global mask."""
+    """Naive twin of :func:`longformer_attn`: explicit N x N scores with the local + global mask."""
     allowed = longformer_mask(grid, num_global_tokens, local, kernel_size, block_size, halo, q.device)
-    return masked_attention_reference(q, k, v, allowed, scale)
+    return naive_masked_attn(q, k, v, allowed, scale)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from visattn.ops._checks import check_positive_int, check_qkv_grid
-from visattn.ops._reference import masked_attention_reference
-from visattn.ops.local import local_on_grid, neighborhood_axis
+from visattn.ops._naive import naive_masked_attn
+from visattn.ops.local import local_attn_on_grid, neighborhood_axis
 
 
-def neighborhood(
+def neighborhood_attn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -22,6 +22,7 @@ def neighborhood(
     tile_size: int = 8,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query over its k x k grid neighbourhood.
 
@@ -32,16 +33,18 @@ def neighborhood(
             (tile_size + k - 1)^2 key region; the result does not depend on it.
         dropout_p: dropout on the attention weights.
         scale: score scale, default d^-0.5.
+        backend: the tiled engine's path, ``"chunked"`` or ``"gathered"`` (see
+            :func:`visattn.ops.local.tiled_local_attn`); None: chosen.
     Returns:
         (B, heads, H, W, d)
     """
-    check_qkv_grid(q, k, v, "neighborhood")
-    check_positive_int(kernel_size, "kernel_size", "neighborhood", odd=True)
-    check_positive_int(tile_size, "tile_size", "neighborhood")
+    check_qkv_grid(q, k, v, "neighborhood_attn")
+    check_positive_int(kernel_size, "kernel_size", "neighborhood_attn", odd=True)
+    check_positive_int(tile_size, "tile_size", "neighborhood_attn")
     H, W = q.shape[2:4]
     rows = neighborhood_axis(H, kernel_size, tile_size, q.device)
     cols = neighborhood_axis(W, kernel_size, tile_size, q.device)
-    return local_on_grid(q, k, v, rows, cols, dropout_p=dropout_p, scale=scale)
+    return local_attn_on_grid(q, k, v, rows, cols, dropout_p=dropout_p, scale=scale, backend=backend)
 
 
 def neighborhood_mask(grid: tuple[int, int], kernel_size: int, device: torch.device | None = None) -> torch.Tensor:
@@ -58,11 +61,11 @@ def neighborhood_mask(grid: tuple[int, int], kernel_size: int, device: torch.dev
     return (rows[:, None, :, None] & cols[None, :, None, :]).reshape(H * W, H * W)
 
 
-def neighborhood_reference(
+def naive_neighborhood_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int, scale: float | None = None
 ) -> torch.Tensor:
-    """Naive twin of :func:`neighborhood`: explicit N x N scores with the window mask."""
+    """Naive twin of :func:`neighborhood_attn`: explicit N x N scores with the window mask."""
     B, heads, H, W, _ = q.shape
     flat = [t.reshape(B, heads, H * W, t.shape[-1]) for t in (q, k, v)]
-    out = masked_attention_reference(*flat, neighborhood_mask((H, W), kernel_size, q.device), scale)
+    out = naive_masked_attn(*flat, neighborhood_mask((H, W), kernel_size, q.device), scale)
     return out.reshape(B, heads, H, W, -1)

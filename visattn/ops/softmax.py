@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from visattn.ops._checks import check_qkv
-from visattn.ops._reference import masked_attention_reference
+from visattn.ops._naive import naive_masked_attn
 
 
-def softmax(
+def softmax_attn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -26,18 +26,18 @@ def softmax(
     Returns:
         (B, heads, N, d)
     """
-    check_qkv(q, k, v, "softmax")
+    check_qkv(q, k, v, "softmax_attn")
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
     )
 
 
-def softmax_reference(
+def naive_softmax_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, scale: float | None = None
 ) -> torch.Tensor:
-    """Naive twin of :func:`softmax` (explicit scores)."""
+    """Naive twin of :func:`softmax_attn` (explicit scores)."""
     n = q.shape[-2]
     allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
     if is_causal:
         allowed = allowed.tril()
-    return masked_attention_reference(q, k, v, allowed, scale)
+    return naive_masked_attn(q, k, v, allowed, scale)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from visattn.ops._checks import check_nonnegative_int, check_positive_int, check_qkv_grid
-from visattn.ops._reference import masked_attention_reference
-from visattn.ops.local import blocked_axis, local_on_grid
+from visattn.ops._naive import naive_masked_attn
+from visattn.ops.local import blocked_axis, local_attn_on_grid
 
 
-def sparse(
+def sparse_attn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -22,6 +22,7 @@ def sparse(
     halo: int,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each b x b query block over the block plus a halo.
 
@@ -31,16 +32,18 @@ def sparse(
         halo: cells added on each side of the block (0: plain non-overlapping block attention).
         dropout_p: dropout on the attention weights.
         scale: score scale, default d^-0.5.
+        backend: the tiled engine's path, ``"chunked"`` or ``"gathered"`` (see
+            :func:`visattn.ops.local.tiled_local_attn`); None: chosen.
     Returns:
         (B, heads, H, W, d)
     """
-    check_qkv_grid(q, k, v, "sparse")
-    check_positive_int(block_size, "block_size", "sparse")
-    check_nonnegative_int(halo, "halo", "sparse")
+    check_qkv_grid(q, k, v, "sparse_attn")
+    check_positive_int(block_size, "block_size", "sparse_attn")
+    check_nonnegative_int(halo, "halo", "sparse_attn")
     H, W = q.shape[2:4]
     rows = blocked_axis(H, block_size, halo, q.device)
     cols = blocked_axis(W, block_size, halo, q.device)
-    return local_on_grid(q, k, v, rows, cols, dropout_p=dropout_p, scale=scale)
+    return local_attn_on_grid(q, k, v, rows, cols, dropout_p=dropout_p, scale=scale, backend=backend)
 
 
 def sparse_mask(
@@ -58,11 +61,11 @@ def sparse_mask(
     return (rows[:, None, :, None] & cols[None, :, None, :]).reshape(H * W, H * W)
 
 
-def sparse_reference(
+def naive_sparse_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, halo: int, scale: float | None = None
 ) -> torch.Tensor:
-    """Naive twin of :func:`sparse`: explicit N x N scores with the block-plus-halo mask."""
+    """Naive twin of :func:`sparse_attn`: explicit N x N scores with the block-plus-halo mask."""
     B, heads, H, W, _ = q.shape
     flat = [t.reshape(B, heads, H * W, t.shape[-1]) for t in (q, k, v)]
-    out = masked_attention_reference(*flat, sparse_mask((H, W), block_size, halo, q.device), scale)
+    out = naive_masked_attn(*flat, sparse_mask((H, W), block_size, halo, q.device), scale)
     return out.reshape(B, heads, H, W, -1)

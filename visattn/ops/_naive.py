@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 
-def masked_attention_reference(
+def naive_masked_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
     """Softmax attention restricted to ``allowed`` key positions.
@@ -19,7 +19,7 @@ def masked_attention_reference(
         (B, heads, N, d_v)
     """
     if not bool(allowed.any(dim=-1).all()):
-        raise ValueError("masked_attention_reference: every query needs at least one allowed key")
+        raise ValueError("naive_masked_attn: every query needs at least one allowed key")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, heads, N, M)
     scores = scores.masked_fill(~allowed, float("-inf"))

@@ -1,0 +1,225 @@
+"""Every path of every op with several, forced on CPU tensors (the paths other devices or a compiled graph
+take included), against the naive twins: outputs, and gradients where the path is differentiable.
+Also the choice itself: its defaults, how to force it, its log line and its refusals."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.helpers import assert_rms_close, grads_of
+from visattn import ops
+from visattn.layers import get_attention
+from visattn.ops import backends
+from visattn.ops.backends import BACKENDS, force_backend
+
+# (B, heads, grid, prefix tokens, head_dim): batch 1 and an odd batch, non-square grids, with and
+# without prefix tokens
+CASES = [(1, 2, (5, 3), 0, 8), (3, 2, (4, 7), 2, 8)]
+IDS = [f"B{b}-H{h}-grid{g[0]}x{g[1]}-p{p}-d{d}" for b, h, g, p, d in CASES]
+
+
+def _qkv(b, heads, grid, p, d):
+    return [torch.randn(b, heads, p + grid[0] * grid[1], d) for _ in range(3)]
+
+
+def _assert_matches(fn, reference, inputs, differentiable, tol=1e-5):
+    expected, expected_grads = grads_of(reference, *inputs)
+    if differentiable:
+        out, grads = grads_of(fn, *inputs)
+        for name, g, g_ref in zip("qkv", grads, expected_grads):
+            assert_rms_close(g, g_ref, tol, f"d{name}")
+    else:
+        with torch.no_grad():
+            out = fn(*inputs)
+    assert_rms_close(out, expected, tol, "out")
+
+
+@pytest.mark.parametrize("backend", BACKENDS["linear"])
+@pytest.mark.parametrize("b,heads,grid,p,d", CASES, ids=IDS)
+def test_linear_paths_match_naive(b, heads, grid, p, d, backend):
+    causal = backend == "chunk"
+    _assert_matches(
+        lambda q, k, v: ops.linear_attn(q, k, v, causal=causal, chunk_size=5, backend=backend),
+        lambda q, k, v: ops.naive_linear_attn(q, k, v, causal=causal),
+        _qkv(b, heads, grid, p, d),
+        differentiable=True,
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS["axial"])
+@pytest.mark.parametrize("b,heads,grid,p,d", CASES, ids=IDS)
+def test_axial_paths_match_naive(b, heads, grid, p, d, backend):
+    _assert_matches(
+        lambda q, k, v: ops.axial_attn(q, k, v, grid, p, backend=backend),
+        lambda q, k, v: ops.naive_axial_attn(q, k, v, grid, p),
+        _qkv(b, heads, grid, p, d),
+        differentiable=True,
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS["axial"])
+@pytest.mark.parametrize("b,heads,grid,p,d", CASES, ids=IDS)
+def test_packed_axial_paths_match_naive(b, heads, grid, p, d, backend):
+    def naive(qkv):
+        q, k, v = qkv.unflatten(-1, (3, heads, d)).permute(2, 0, 3, 1, 4).unbind(0)  # timm's layout
+        return ops.naive_axial_attn(q, k, v, grid, p).transpose(1, 2).flatten(2)
+
+    qkv = torch.randn(b, p + grid[0] * grid[1], 3 * heads * d)
+    out, (grad,) = grads_of(lambda t: ops.packed_axial_attn(t, heads, grid, p, backend=backend), qkv)
+    expected, (expected_grad,) = grads_of(naive, qkv)
+    assert_rms_close(out, expected, 1e-5, "out")
+    assert_rms_close(grad, expected_grad, 1e-5, "dqkv")
+
+
+LOCAL_OPS = {
+    "neighborhood": (
+        lambda q, k, v, grid, p, backend: ops.neighborhood_attn(q, k, v, 3, tile_size=2, backend=backend),
+        lambda q, k, v, grid, p: ops.naive_neighborhood_attn(q, k, v, 3),
+    ),
+    "sparse": (
+        lambda q, k, v, grid, p, backend: ops.sparse_attn(q, k, v, 2, 1, backend=backend),
+        lambda q, k, v, grid, p: ops.naive_sparse_attn(q, k, v, 2, 1),
+    ),
+    "longformer": (
+        lambda q, k, v, grid, p, backend: ops.longformer_attn(q, k, v, grid, p, kernel_size=3, tile_size=2, backend=backend),
+        lambda q, k, v, grid, p: ops.naive_longformer_attn(q, k, v, grid, p, kernel_size=3),
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS["local"])
+@pytest.mark.parametrize("op", sorted(LOCAL_OPS))
+@pytest.mark.parametrize("b,heads,grid,p,d", CASES, ids=IDS)
+def test_local_paths_match_naive(b, heads, grid, p, d, op, backend):
+    fast, naive = LOCAL_OPS[op]
+    q, k, v = _qkv(b, heads, grid, p, d)
+    if op != "longformer":  # the grid ops take (B, heads, H, W, d) and have no prefix tokens
+        q, k, v = (t[:, :, p:].unflatten(2, grid) for t in (q, k, v))
+    _assert_matches(
+        lambda q, k, v: fast(q, k, v, grid, p, backend),
+        lambda q, k, v: naive(q, k, v, grid, p),
+        [q, k, v],
+        differentiable=backend == "gathered",
+    )
+
+
+def _linear_layer_expected(layer, x, grid, p):
+    """The linear layer spelled out on the naive twin: qkv, naive linear attention, the depthwise
+    convolution of the patch values added to the patch outputs, proj."""
+    b, n, c = x.shape
+    q, k, v = layer.qkv(x).reshape(b, n, 3, layer.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = layer.q_norm(q), layer.k_norm(k)
+    mixed = ops.naive_linear_attn(q, k, v).transpose(1, 2).reshape(b, n, c)
+    v_img = v[:, :, p:].transpose(2, 3).reshape(b, c, *grid)  # (B, heads * d, H, W)
+    local = layer.dwconv(v_img).flatten(2).transpose(1, 2)  # (B, H * W, C)
+    return layer.proj(torch.cat([mixed[:, :p], mixed[:, p:] + local], dim=1))
+
+
+# the packed path has no q/k norm (its refusal is tested below)
+PROJECTION_PATHS = [(name, norm) for name in BACKENDS["linear_projection"] for norm in (False, True) if (name, norm) != ("packed", True)]
+
+
+@pytest.mark.parametrize("backend,qk_norm", PROJECTION_PATHS, ids=[f"{n}-{'qk_norm' if q else 'plain'}" for n, q in PROJECTION_PATHS])
+@pytest.mark.parametrize("b,heads,grid,p,d", CASES, ids=IDS)
+def test_linear_layer_projection_paths_match_naive(b, heads, grid, p, d, backend, qk_norm):
+    layer = get_attention("linear")(heads * d, heads, qk_norm=qk_norm, norm_layer=nn.LayerNorm if qk_norm else None)
+    layer.set_grid(grid, p)
+    x = torch.randn(b, p + grid[0] * grid[1], heads * d)
+    params = list(layer.parameters())
+    expected = _linear_layer_expected(layer, x, grid, p)
+    expected_grads = torch.autograd.grad(expected.square().sum(), params)
+    with force_backend("linear_projection", backend):
+        if backend == "fused_qkv":  # inference only
+            with torch.no_grad():
+                assert_rms_close(layer(x), expected, 1e-5, "out")
+            return
+        out = layer(x)
+        grads = torch.autograd.grad(out.square().sum(), params)
+    assert_rms_close(out, expected, 1e-5, "out")
+    for (name, _), g, g_ref in zip(layer.named_parameters(), grads, expected_grads):
+        assert_rms_close(g, g_ref, 1e-5, f"d{name}")
+
+
+@pytest.fixture
+def debug_log(caplog, monkeypatch):
+    monkeypatch.setattr(backends, "_logged", set())  # every choice is logged afresh
+    caplog.set_level(logging.DEBUG, logger="visattn.ops.backends")
+    return caplog
+
+
+def test_choices_are_named_and_logged(debug_log):
+    q, k, v = _qkv(1, 2, (3, 4), 1, 8)
+    with torch.no_grad():
+        ops.axial_attn(q, k, v, (3, 4), 1)
+        ops.longformer_attn(q, k, v, (3, 4), 1, kernel_size=3)
+    ops.linear_attn(q, k, v)
+    ops.linear_attn(q, k, v, causal=True)
+    ops.axial_attn(*(t.requires_grad_(True) for t in (q, k, v)), (3, 4), 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ops.axial_attn(q, k, v, (3, 4), 1)
+    assert debug_log.messages == [
+        "axial: sdpa backend (chosen)",
+        "local: chunked backend (chosen)",
+        "linear: blocked backend (chosen)",
+        "linear: chunk backend (chosen)",
+        "axial: cpu_kernels backend (chosen)",
+        "axial: sdpa_checkpoint backend (chosen)",
+    ]
+    ops.linear_attn(q, k, v)  # a choice already made is not logged again
+    assert len(debug_log.messages) == 6
+
+
+def test_layer_paths_are_chosen_by_name(debug_log):
+    layer = get_attention("linear")(16, 2)
+    layer.set_grid((3, 4), 1)
+    x = torch.randn(2, 13, 16)
+    with torch.no_grad():
+        layer(x)
+    layer(x)
+    layer.q_norm = nn.LayerNorm(8)
+    layer(x)
+    projection = [m for m in debug_log.messages if m.startswith("linear_projection")]
+    assert projection == [
+        "linear_projection: fused_qkv backend (chosen)",
+        "linear_projection: packed backend (chosen)",
+        "linear_projection: split backend (chosen)",
+    ]
+
+
+def test_force_backend_and_the_argument(debug_log):
+    q, k, v = _qkv(1, 2, (3, 4), 0, 8)
+    with force_backend("linear", "plain"):
+        forced = ops.linear_attn(q, k, v)
+        requested = ops.linear_attn(q, k, v, backend="blocked")  # the argument wins
+    assert "linear: plain backend (forced)" in debug_log.messages
+    assert "linear: blocked backend (requested)" in debug_log.messages
+    assert backends._forced == {}
+    assert_rms_close(forced, requested, 1e-5, "plain vs blocked")
+    with force_backend("axial", "sdpa"), force_backend("axial", "sdpa_checkpoint"):
+        assert backends._forced == {"axial": "sdpa_checkpoint"}
+    assert backends._forced == {}
+
+
+def test_bad_backends_raise():
+    q, k, v = _qkv(1, 2, (3, 4), 0, 8)
+    with pytest.raises(ValueError, match="backend must be one of blocked, plain, chunk, got 'fast'"):
+        ops.linear_attn(q, k, v, backend="fast")
+    with pytest.raises(ValueError, match="op must be one of"):
+        with force_backend("softmax", "sdpa"):
+            pass
+    with pytest.raises(ValueError, match="causal=True needs chunk"):
+        ops.linear_attn(q, k, v, causal=True, backend="blocked")
+    with pytest.raises(ValueError, match="causal=False needs blocked or plain"):
+        ops.linear_attn(q, k, v, backend="chunk")
+    with pytest.raises(ValueError, match="'cpu_kernels' needs a CPU tensor, dropout_p=0"):
+        ops.axial_attn(q, k, v, (3, 4), dropout_p=0.1, backend="cpu_kernels")
+    with pytest.raises(ValueError, match="'chunked' has no autograd"):
+        ops.sparse_attn(*(t.unflatten(2, (3, 4)).requires_grad_(True) for t in (q, k, v)), 2, 1, backend="chunked")
+    layer = get_attention("linear")(16, 2, qk_norm=True, norm_layer=nn.LayerNorm, dwconv_kernel=None)
+    with force_backend("linear_projection", "packed"), pytest.raises(ValueError, match="no q/k norm"):
+        layer(torch.randn(1, 5, 16))
+    with force_backend("linear_projection", "fused_qkv"), pytest.raises(ValueError, match="is_causal=True needs 'split'"):
+        layer(torch.randn(1, 5, 16), is_causal=True)

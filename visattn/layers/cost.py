@@ -1,0 +1,75 @@
+"""What the cost formulas of the layers take and return, and the formulas the tiled local layers share.
+
+Each layer class states its own cost as classmethods (:meth:`GridAttention.mixing_flops`,
+:meth:`GridAttention.mixing_memory` and, where the type projects q, k, v differently,
+:meth:`GridAttention.qkv_flops`), so a new attention type is one layer module plus one registry line
+and the benchmark needs nothing more. Whole-model totals are :mod:`visattn.bench.flops`.
+
+Counting rules: FLOPs are those of the matrix products (2 per multiply-add), the convention of fvcore
+and of timm's ``infer_gmacs`` (GMACs = GFLOPs / 2); elementwise work (norms, softmax, feature maps,
+masks) is not counted. The count is of the model's math, as for model-FLOPs utilisation: work an
+implementation repeats to save memory (a backward pass that recomputes) is not counted. Memory is
+bytes, from the implementation: what one block's token mixing keeps alive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from visattn.ops.local import AxisTiling
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """P prefix tokens followed by an H x W grid of patch tokens."""
+
+    grid: tuple[int, int]
+    num_prefix_tokens: int
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.num_patches
+
+
+class MixingMemory(NamedTuple):
+    """Bytes of one block's token mixing, per image unless said otherwise."""
+
+    infer: int  # live during the forward, beyond q, k, v: outputs, copies, scores
+    train: int  # saved for the backward (including q, k, v when the op keeps them)
+    shared: int = 0  # per block and batch-independent: masks, resampled projections
+
+
+def windowed_flops(layout: TokenLayout, channels: int, rows: AxisTiling, cols: AxisTiling) -> int:
+    """4 C per (query, key) pair: each patch query with the keys of its window (``rows`` x ``cols``), each
+    prefix query with all N tokens. The tiled engine also scores the rest of each tile's key region and
+    masks it out; those products are not credited."""
+    return 4 * channels * (rows.keys_seen * cols.keys_seen + layout.num_prefix_tokens * layout.num_tokens)
+
+
+def tiled_memory(
+    layout: TokenLayout,
+    num_heads: int,
+    head_dim: int,
+    rows: AxisTiling,
+    cols: AxisTiling,
+    num_visible: int,
+    act_bytes: int,
+) -> MixingMemory:
+    """The tiled local engine (:func:`visattn.ops.local.tiled_local_attn`). Inference runs the tiles
+    in cache-sized chunks into the output. Training gathers the padded query tiles and each tile's key
+    region (plus the ``num_visible`` prefix keys), which the fused SDPA keeps with its output and an fp32
+    log-sum-exp per query. The additive mask (queries x keys of every tile) is cached per layout."""
+    c = num_heads * head_dim
+    queries = rows.num_tiles * rows.tile * cols.num_tiles * cols.tile  # padded
+    keys_per_tile = rows.region * cols.region + num_visible
+    keys = rows.num_tiles * cols.num_tiles * keys_per_tile  # gathered, for k and again for v
+    # The prefix rows attend to all tokens in an SDPA that keeps q, k, v: the whole qkv output.
+    prefix = 3 * layout.num_tokens * c if layout.num_prefix_tokens or num_visible else 0
+    train = (2 * queries + 2 * keys) * c * act_bytes + 4 * num_heads * queries + prefix * act_bytes
+    return MixingMemory(
+        infer=layout.num_tokens * c * act_bytes, train=train, shared=queries * keys_per_tile * act_bytes
+    )

@@ -1,0 +1,19 @@
+"""Walking a long axis (tokens, or short attention sequences) in pieces small enough to stay in cache.
+
+Each piece is read from memory once and its work buffers are reused from piece to piece; the result
+does not depend on the piece length.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+def items_per_piece(budget: int, values_per_item: int, minimum: int = 1) -> int:
+    """How many items of ``values_per_item`` values fit in ``budget`` values, at least ``minimum``."""
+    return max(minimum, budget // values_per_item)
+
+
+def pieces(total: int, step: int) -> Iterator[slice]:
+    """Consecutive slices of ``step`` items covering ``range(total)``; the last one may be shorter."""
+    for start in range(0, total, step):
+        yield slice(start, min(start + step, total))

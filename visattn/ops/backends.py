@@ -1,0 +1,128 @@
+"""Which path an op with several runs: a named choice, overridable, logged.
+
+Each op with several paths (:data:`BACKENDS`) picks one with a ``choose_<op>_backend`` function below,
+from the shapes, the device and the autograd / compile state. A caller overrides it with the op's
+``backend=`` argument, or for every call inside a block (a model's layers included) with::
+
+    with visattn.ops.backends.force_backend("axial", "sdpa"):
+        model(images)
+
+The first time an op runs on a given path, the logger ``visattn.ops.backends`` says so at DEBUG
+level, with whether the path was chosen, forced or requested.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+_log = logging.getLogger(__name__)
+
+BACKENDS: dict[str, tuple[str, ...]] = {
+    # visattn.ops.linear_attn: the blocked autograd function (non-causal), plain batched matmuls
+    # (non-causal; what a compiler fuses), the chunked causal product (causal)
+    "linear": ("blocked", "plain", "chunk"),
+    # the linear layer's qkv projection + mixing: fused block by block (inference), the blocked op on
+    # the packed projection (training), or the projection split into heads, then linear_attn
+    "linear_projection": ("fused_qkv", "packed", "split"),
+    # visattn.ops.axial_attn: the CPU's fused SDPA kernels with a hand-written backward, plain SDPA
+    # (autograd through it), plain SDPA recomputed in the backward (activation checkpointing)
+    "axial": ("cpu_kernels", "sdpa", "sdpa_checkpoint"),
+    # the tiled engine of the local ops: tiles a chunk at a time into cache-sized buffers (no autograd),
+    # or all tiles gathered at once (differentiable)
+    "local": ("chunked", "gathered"),
+}
+
+_forced: dict[str, str] = {}
+_logged: set[tuple[str, str, str]] = set()
+
+
+def _check_name(op: str, name: str) -> None:
+    if name not in BACKENDS[op]:
+        raise ValueError(f"{op}: backend must be one of {', '.join(BACKENDS[op])}, got {name!r}")
+
+
+@contextmanager
+def force_backend(op: str, name: str) -> Iterator[None]:
+    """Runs every call of ``op`` inside the block on the path ``name`` (an explicit ``backend=``
+    argument still wins). Not thread-local: meant for tests, benchmarks and debugging."""
+    if op not in BACKENDS:
+        raise ValueError(f"force_backend: op must be one of {', '.join(BACKENDS)}, got {op!r}")
+    _check_name(op, name)
+    previous = _forced.get(op)
+    _forced[op] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _forced[op]
+        else:
+            _forced[op] = previous
+
+
+def select_backend(op: str, backend: str | None, choose: Callable[[], str]) -> str:
+    """The path ``op`` runs: ``backend`` if given, else the one forced by :func:`force_backend`, else
+    ``choose()``. Logged at DEBUG the first time each (op, path, how) occurs."""
+    if backend is not None:
+        name, how = backend, "requested"
+    elif op in _forced:
+        name, how = _forced[op], "forced"
+    else:
+        name, how = choose(), "chosen"
+    _check_name(op, name)
+    if not torch.compiler.is_compiling() and (op, name, how) not in _logged:  # a compiled graph logs nothing
+        _logged.add((op, name, how))
+        _log.debug("%s: %s backend (%s)", op, name, how)
+    return name
+
+
+def needs_autograd(*tensors: torch.Tensor | None) -> bool:
+    """Whether a result computed from ``tensors`` will be differentiated."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def choose_linear_backend(causal: bool) -> str:
+    """Causal: the chunked product. Non-causal: the blocked autograd function, except inside a compiled
+    graph, where the plain matmuls let the compiler fuse the feature maps with their neighbours."""
+    if causal:
+        return "chunk"
+    return "plain" if torch.compiler.is_compiling() else "blocked"
+
+
+def choose_linear_projection_backend(causal: bool, has_qk_norm: bool) -> str:
+    """Causal or compiled: split the projection and call the op. Without autograd, fuse the projection
+    with the mixing. With autograd and no q/k norm, run on the packed projection (its gradient comes
+    back in one piece); a q/k norm sits between projection and mixing, so then split."""
+    if causal or torch.compiler.is_compiling():
+        return "split"
+    if not torch.is_grad_enabled():
+        return "fused_qkv"
+    return "split" if has_qk_norm else "packed"
+
+
+def cpu_kernels_apply(t: torch.Tensor, dropout_p: float) -> bool:
+    """Whether axial's hand-written backward on the CPU's fused kernels can run: a CPU tensor, no
+    dropout (the kernels drop nothing) and no autocast (they would run in fp32)."""
+    return t.device.type == "cpu" and not dropout_p and not torch.is_autocast_enabled("cpu")
+
+
+def choose_axial_backend(t: torch.Tensor, dropout_p: float, needs_grad: bool) -> str:
+    """Without autograd, or in a compiled graph (the compiler fuses the plain formulation): plain SDPA.
+    With autograd: the CPU kernels where they apply and SDPA's fused (flash) backend is enabled
+    (``torch.nn.attention.sdpa_kernel`` can select another), else SDPA recomputed in the backward,
+    which keeps only q, k and v."""
+    if torch.compiler.is_compiling() or not needs_grad:
+        return "sdpa"
+    if cpu_kernels_apply(t, dropout_p) and torch.backends.cuda.flash_sdp_enabled():  # read on every device
+        return "cpu_kernels"
+    return "sdpa_checkpoint"
+
+
+def choose_local_backend(needs_grad: bool, dropout_p: float, self_only: bool) -> str:
+    """Chunk by chunk when no autograd, dropout or compiled graph needs the whole computation at once
+    (the compiler fuses the gathered formulation); a window of one key is exact on the gathered path."""
+    if self_only or needs_grad or dropout_p or torch.compiler.is_compiling():
+        return "gathered"
+    return "chunked"

@@ -1,0 +1,52 @@
+"""Linear attention (Katharopoulos et al. 2020), ``phi(Q) (phi(K)^T V) / (phi(Q) phi(K)^T 1)``, on the
+path :func:`visattn.ops.backends.choose_linear_backend` picks."""
+from __future__ import annotations
+
+import torch
+
+from visattn.ops._checks import check_positive_int
+from visattn.ops.backends import choose_linear_backend, select_backend
+from visattn.ops.linear.blocked import blocked_linear_attn
+from visattn.ops.linear.chunk import chunk_linear_attn
+from visattn.ops.linear.feature_maps import get_feature_map
+from visattn.ops.linear.plain import plain_linear_attn
+
+
+def linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: str = "elu",
+    causal: bool = False,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Linear attention.
+
+    Args:
+        q, k, v: (B, heads, N, d).
+        feature_map: ``"elu"`` (elu + 1) or ``"relu"``.
+        causal: each token attends to itself and earlier tokens (raster order).
+        chunk_size: tokens per chunk of the causal form.
+        eps: lower bound of the normalizer ``phi(q_i) . sum_j phi(k_j)``.
+        backend: ``"blocked"`` (:func:`visattn.ops.linear.blocked_linear_attn`) or ``"plain"``
+            (:func:`visattn.ops.linear.plain_linear_attn`) when non-causal, ``"chunk"``
+            (:func:`visattn.ops.linear.chunk_linear_attn`) when causal; None: chosen by
+            :func:`visattn.ops.backends.choose_linear_backend`.
+    Returns:
+        (B, heads, N, d), in v's dtype; computed in fp32.
+    """
+    check_positive_int(chunk_size, "chunk_size", "linear_attn")
+    get_feature_map(feature_map)  # a bad name fails before a path is chosen
+    name = select_backend("linear", backend, lambda: choose_linear_backend(causal))
+    if causal != (name == "chunk"):
+        raise ValueError(
+            f"linear_attn: backend {name!r} is {'non-' if causal else ''}causal; causal={causal} needs "
+            f"{'chunk' if causal else 'blocked or plain'}"
+        )
+    if name == "chunk":
+        return chunk_linear_attn(q, k, v, feature_map, chunk_size, eps)
+    if name == "plain":
+        return plain_linear_attn(q, k, v, feature_map, eps)
+    return blocked_linear_attn(q, k, v, feature_map, eps)

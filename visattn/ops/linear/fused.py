@@ -1,0 +1,74 @@
+"""Non-causal linear attention fused with the qkv projection, for inference: the (B, N, 3 C) projection
+is never formed."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from visattn.ops._layout import split_heads
+from visattn.ops.linear.blocked import TokenBlocks, attend, kv_state
+from visattn.ops.linear.feature_maps import get_feature_map
+
+
+def fused_qkv_linear_attn(
+    x: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    num_heads: int,
+    feature_map: str = "elu",
+    eps: float = 1e-6,
+    q_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    k_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    keep_values: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal linear attention fused with the qkv projection, for inference (no autograd).
+
+    Equal to projecting ``x`` with ``qkv_weight`` (timm's ``qkv``: the q rows, then k, then v; heads of
+    ``d = C / num_heads``), applying the norms and :func:`visattn.ops.linear_attn`, but block by block
+    of tokens: a first pass projects the keys and values of a block and folds them into ``S`` and ``z``,
+    a second projects the queries of a block and writes its output. q, k and v live in cache.
+
+    Args:
+        x: (B, N, C_in).
+        qkv_weight: (3 C, C_in); qkv_bias: (3 C,) or None.
+        q_norm, k_norm: per-head norms on (B, heads, n, d), or None.
+        keep_values: also return the projected values (B, N, C), e.g. for a locality term on them.
+    Returns:
+        (B, N, C), heads merged, in the projection's dtype (autocast applies to the projection; the
+        mixing is fp32); with ``keep_values`` also the values.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, qkv_weight) if t is not None):
+        raise ValueError("fused_qkv_linear_attn: inference only; use the qkv projection and linear_attn() for autograd")
+    phi = get_feature_map(feature_map)
+    batch, n, _ = x.shape
+    dim = qkv_weight.shape[0] // 3
+    q_norm = q_norm or (lambda t: t)
+    k_norm = k_norm or (lambda t: t)
+    q_bias, kv_bias = (None, None) if qkv_bias is None else (qkv_bias[:dim], qkv_bias[dim:])
+    device = x.device.type
+    caller_autocast = {"enabled": torch.is_autocast_enabled(device), "dtype": torch.get_autocast_dtype(device)}
+
+    def project(blk: slice, rows: slice, bias: torch.Tensor | None) -> torch.Tensor:  # (B, n, len(rows))
+        with torch.autocast(device_type=device, **caller_autocast):  # as the plain projection would run
+            return F.linear(x[:, blk], qkv_weight[rows], bias)
+
+    values_dtype = caller_autocast["dtype"] if caller_autocast["enabled"] else x.dtype
+    values = x.new_empty(batch, n, dim, dtype=values_dtype) if keep_values else None
+
+    def keys_values(blk: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, vals = project(blk, slice(dim, None), kv_bias).chunk(2, dim=-1)  # (B, n, C) each
+        if values is not None:
+            values[:, blk] = vals
+        return k_norm(split_heads(keys, num_heads)), split_heads(vals, num_heads)
+
+    def queries(blk: slice) -> torch.Tensor:
+        return q_norm(split_heads(project(blk, slice(None, dim), q_bias), num_heads))
+
+    blocks = TokenBlocks(batch, num_heads, n, dim // num_heads, x.device)
+    with torch.autocast(device_type=device, enabled=False):
+        kv, k_sum = kv_state(keys_values, blocks, phi)
+        out = x.new_empty(batch, n, dim, dtype=values_dtype)  # in the values' dtype, as in linear_attn()
+        attend(queries, kv, k_sum, blocks, phi, eps, split_heads(out, num_heads))
+    return (out, values) if keep_values else out
