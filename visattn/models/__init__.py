@@ -1,5 +1,15 @@
-"""timm integration: the registered visattn ViTs and :func:`convert` for existing timm ViTs."""
+"""timm integration: the registered visattn ViTs, :func:`convert` for existing timm ViTs, and ``attn="auto"``."""
+from visattn.models.auto import select_attention
 from visattn.models.convert import PatchGridHook, convert
-from visattn.models.vit import MODEL_SHAPES
+from visattn.models.shapes import MODEL_SHAPES
+from visattn.models.vit import visattn_vit_base_patch16, visattn_vit_small_patch16, visattn_vit_tiny_patch16
 
-__all__ = ["MODEL_SHAPES", "PatchGridHook", "convert"]
+__all__ = [
+    "MODEL_SHAPES",
+    "PatchGridHook",
+    "convert",
+    "select_attention",
+    "visattn_vit_base_patch16",
+    "visattn_vit_small_patch16",
+    "visattn_vit_tiny_patch16",
+]

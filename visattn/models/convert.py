@@ -35,7 +35,6 @@ rejects a ``functools.partial``). Use :func:`convert` or the registered models f
 """
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,9 +46,6 @@ from visattn.layers import GridAttention, get_attention, list_attentions
 
 # Submodules every layer shares with timm's Attention; they move as they are into the new layer.
 CARRIED_MODULES = ("qkv", "q_norm", "k_norm", "norm", "proj")
-
-# Constructor arguments that describe the attention's shape; they come from the model.
-_CONTRACT_ARGS = frozenset(inspect.signature(GridAttention.__init__).parameters) - {"self"}
 
 
 class PatchGridHook:
@@ -165,7 +161,7 @@ def _options_per_type(
             )
         options = {name: dict(attn_kwargs.get(name, {})) for name in used}
     for name, opts in options.items():
-        accepted = _type_options(get_attention(name))
+        accepted = set(get_attention(name).type_options())
         unknown = sorted(set(opts) - accepted)
         if unknown:
             raise ValueError(
@@ -174,22 +170,12 @@ def _options_per_type(
     return options
 
 
-def _type_options(cls: type[GridAttention]) -> set[str]:
-    """The constructor arguments of ``cls`` beyond timm's attention contract."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {
-        p.name
-        for p in params
-        if p.name not in _CONTRACT_ARGS and p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    }
-
-
 def _layer_like(
     old: nn.Module, index: int, cls: type[GridAttention], options: dict[str, Any], model_defaults: dict[str, Any]
 ) -> GridAttention:
     """A ``cls`` layer of ``old``'s shape that takes over ``old``'s projections and norms."""
     _check_source(old, index)
-    accepted = _type_options(cls)
+    accepted = cls.type_options()
     kwargs = {key: value for key, value in model_defaults.items() if key in accepted} | options
     weight = old.qkv.weight
     layer = cls(

@@ -8,7 +8,7 @@
 Every keyword of timm's ``VisionTransformer`` passes through (``img_size`` as int or (H, W),
 ``patch_size``, ``reg_tokens``, ``class_token``, ``global_pool``, ``dynamic_img_size``,
 ``drop_path_rate``, ...). ``attn`` is one name of :func:`visattn.list_attentions`, a list with one name
-per block, or ``"auto"`` (chosen by :func:`visattn.auto.select_attention` from the model name and image
+per block, or ``"auto"`` (chosen by :func:`visattn.models.auto.select_attention` from the model name and image
 size); ``attn_kwargs`` holds the type options, as in :func:`visattn.convert`.
 
 No weights are published: ``pretrained=True`` loads a local file, built with the same ``attn``::
@@ -28,14 +28,10 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
+from visattn.models.auto import select_attention
 from visattn.models.convert import convert
+from visattn.models.shapes import MODEL_SHAPES
 
-# timm's ViT-Ti/S/B shapes (vit_tiny/small/base_patch16_224).
-MODEL_SHAPES: dict[str, dict[str, int]] = {
-    "visattn_vit_tiny_patch16": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
-    "visattn_vit_small_patch16": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
-    "visattn_vit_base_patch16": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
-}
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:
@@ -75,8 +71,6 @@ def _create_visattn_vit(
         model = VisionTransformer(**model_kwargs)
         names = attn
         if attn == "auto":
-            from visattn.auto import select_attention
-
             embed = model.patch_embed
             names = select_attention(variant, tuple(embed.img_size), tuple(embed.patch_size))
         return convert(model, names, **attn_kwargs)
