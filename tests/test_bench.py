@@ -18,16 +18,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import visattn
-from visattn import auto, bench
-from visattn.flops import (
-    TokenLayout,
-    ViTShape,
-    attention_options,
-    estimate_memory,
-    mixing_flops,
-    train_flops,
-    vit_flops,
-)
+from visattn.bench import cli, report, runners, timing
+from visattn.bench.flops import ViTShape, attention_options, estimate_memory, mixing_flops, train_flops, vit_flops
+from visattn.bench.sweep import Case, Result, plan_model_sweep, plan_ops_sweep
+from visattn.layers import ATTENTION_LAYERS, GridAttention
+from visattn.layers.cost import MixingMemory, TokenLayout
+from visattn.models import auto
 from visattn.ops.axial import axial_masks
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
@@ -42,7 +38,7 @@ MAX_MEMORY_GB = "0.005"
 def _run(argv: list[str]) -> str:
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        assert bench.main(argv) == 0
+        assert cli.main(argv) == 0
     return stdout.getvalue()
 
 
@@ -152,15 +148,15 @@ class _Progress:
 def test_worker_failures_are_reported_in_their_rows():
     """An out-of-memory error (a 4 TB score matrix) and an error while building end their rows only."""
 
-    def result(attn: str, grid: tuple[int, int], attn_kwargs: dict) -> bench.Result:
-        case = bench.Case(kind="op", attn=attn, mode="infer", size=grid, batch_size=1, device="cpu", dtype="fp32",
+    def result(attn: str, grid: tuple[int, int], attn_kwargs: dict) -> Result:
+        case = Case(kind="op", attn=attn, mode="infer", size=grid, batch_size=1, device="cpu", dtype="fp32",
                           compile=False, attn_kwargs=attn_kwargs, num_heads=1, head_dim=1)
-        return bench.Result(case, grid[0] * grid[1], grid, flops=0, estimate_bytes=0, param_count=0)
+        return Result(case, grid[0] * grid[1], grid, flops=0, estimate_bytes=0, param_count=0)
 
     huge = result("softmax_explicit", (1000, 1000), {})
     broken = result("linformer", (2, 4), {"k": 0})
     fine = result("linear", (2, 4), {})
-    bench.measure([huge, broken, fine], bench.Timing(0, 2, 0.0, 60.0), 2**40, 2**40, _Progress())
+    timing.measure([huge, broken, fine], timing.Timing(0, 2, 0.0, 60.0), 2**40, 2**40, _Progress())
     assert huge.status == "oom" and "allocate" in huge.message
     assert broken.status == "error" and "ValueError" in broken.message and "k must be" in broken.message
     assert fine.status == "ok" and len(fine.times) == 2 and fine.peak_bytes > 0
@@ -171,7 +167,7 @@ def test_bad_arguments_exit_with_a_message(capsys):
     for argv in (["--attn", "nope"], ["--sizes", "0"], ["--model-kwargs", "img_size=3"], ["--attn-kwargs", "[1]"],
                  ["--sizes", "32", "--train-sizes", "64"], ["--grad-checkpointing", "--modes", "infer"], ["--settle", "-1"], ["--settle", "nan"]):
         with pytest.raises(SystemExit):
-            bench.main(argv + ["--device", "cpu"])
+            cli.main(argv + ["--device", "cpu"])
     err = capsys.readouterr().err
     assert "unknown attention(s) nope" in err
     assert "--train-sizes must be among --sizes" in err
@@ -193,7 +189,7 @@ def test_grad_checkpointing_training_row(tmp_path):
 @pytest.mark.parametrize("settle", [0.0, 1e-6, 10.0])
 def test_every_step_rests_as_long_as_the_previous_one_at_most_settle(tmp_path, monkeypatch, settle):
     pauses = []
-    monkeypatch.setattr(bench.time, "sleep", pauses.append)
+    monkeypatch.setattr(timing.time, "sleep", pauses.append)
     _run(["--attn", "linear", "--sizes", "32", "--modes", "infer", "--out", str(tmp_path)] + TINY_MODEL + FAST[:-1] + [str(settle)])
     with open(tmp_path / "bench.csv") as f:
         step_seconds = [float(r["infer_step_time"]) / 1000 for r in csv.DictReader(f)]  # timm, floor, linear
@@ -318,6 +314,65 @@ def test_linformer_and_linear_flops_by_hand():
     assert mixing_flops("floor", layout, h, d, {}) == 0
 
 
+class _UnnormalizedLinear(GridAttention):
+    """A type only this file registers: out = Q (K^T V). Its cost is stated on the class, as for every type."""
+
+    name = "unnormalized_linear_probe"
+    needs_grid = False
+
+    def mix(self, q, k, v, grid, attn_mask, is_causal):
+        return q @ (k.transpose(-2, -1) @ v)  # (B, heads, N, d)
+
+    @classmethod
+    def mixing_flops(cls, layout, num_heads, head_dim, options):
+        return 4 * layout.num_tokens * num_heads * head_dim**2  # K^T V and Q (K^T V): 2 N d^2 each, per head
+
+    @classmethod
+    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes):
+        n, c = layout.num_tokens, num_heads * head_dim
+        return MixingMemory(infer=n * c * act_bytes, train=3 * n * c * act_bytes)
+
+
+class _Costless(GridAttention):
+    name = "costless_probe"
+    needs_grid = False
+
+    def mix(self, q, k, v, grid, attn_mask, is_causal):
+        return v
+
+
+def test_a_new_type_needs_only_its_layer_and_a_registry_line(monkeypatch, tmp_path):
+    """Registered under its name, a type is counted, planned and stepped by the benchmark from its layer class."""
+    name = _UnnormalizedLinear.name
+    monkeypatch.setitem(ATTENTION_LAYERS, name, _UnnormalizedLinear)
+    img = (64, 96)
+    model = _tiny_model(name, img)
+    shape = ViTShape.from_model(model)
+    options = attention_options(name, {}, shape.grid(img))
+    assert vit_flops(shape, img, name, options) == _counted_flops(model, img, backward=False)
+
+    args = cli._parse(["--attn", name, "--sizes", "32x48", "--device", "cpu", "--out", str(tmp_path)] + TINY_MODEL)
+    (group,) = plan_model_sweep(args)
+    rows = {(r.case.attn, r.case.mode): r for r in group}
+    n, c, d = 1 + 2 * 3, 32, 16  # class token + 2 x 3 patches; embed_dim 32, 2 heads of 16
+    for mode, backward in (("infer", 1), ("train", 3)):
+        assert rows[name, mode].flops - rows["floor", mode].flops == backward * 4 * n * c * d
+    assert rows[name, "train"].estimate_bytes > rows["floor", "train"].estimate_bytes
+
+    args = cli._parse(["--ops", "--attn", name, "--grids", "4x6", "--heads", "2", "--head-dim", "8", "--device", "cpu"])
+    (group,) = plan_ops_sweep(args)
+    probe = [r for r in group if r.case.attn == name]
+    assert [(r.case.mode, r.flops) for r in probe] == [("infer", 4 * 24 * 16 * 8), ("train", 3 * 4 * 24 * 16 * 8)]
+    for r in probe:
+        runner = runners.build_runner(r.case)
+        runner.step()
+        assert all(t.grad is not None for t in runner.qkv) == (r.case.mode == "train")
+
+    monkeypatch.setitem(ATTENTION_LAYERS, _Costless.name, _Costless)
+    with pytest.raises(NotImplementedError, match="_Costless states no mixing_flops"):
+        vit_flops(shape, img, _Costless.name, {})
+
+
 @pytest.mark.parametrize("attn", visattn.list_attentions())
 def test_memory_estimate_orders(attn):
     shape = ViTShape(384, 12, 6, 1536, (16, 16), 3, 1, 1000)
@@ -340,10 +395,10 @@ def test_memory_estimate_orders(attn):
 def test_fit_exponent_recovers_the_slope_of_the_largest_sizes():
     tokens = [196, 1024, 4096, 16384, 65536]
     times = [5.0, 7.0] + [3e-6 * t**1.7 for t in tokens[2:]]  # the small sizes are off the power law
-    assert bench.fit_exponent(tokens, times, points=3) == pytest.approx(1.7, abs=1e-12)
-    assert bench.fit_exponent(tokens, times, points=5) < 1.6
-    assert bench.fit_exponent(tokens, [None, None, 2.0, None, 0.0]) is None
-    assert bench.fit_exponent([10, 20], [1.0, 4.0], points=3) == pytest.approx(2.0)
+    assert report.fit_exponent(tokens, times, points=3) == pytest.approx(1.7, abs=1e-12)
+    assert report.fit_exponent(tokens, times, points=5) < 1.6
+    assert report.fit_exponent(tokens, [None, None, 2.0, None, 0.0]) is None
+    assert report.fit_exponent([10, 20], [1.0, 4.0], points=3) == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize(
@@ -360,8 +415,8 @@ def test_fit_exponent_recovers_the_slope_of_the_largest_sizes():
     ],
 )
 def test_crossover_tokens(points, expected):
-    assert bench.crossover_tokens(points) == expected
-    assert bench.crossover_tokens(list(reversed(points))) == expected
+    assert report.crossover_tokens(points) == expected
+    assert report.crossover_tokens(list(reversed(points))) == expected
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -384,7 +439,7 @@ def test_select_attention_defaults_without_calibration(tmp_path, monkeypatch, ca
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert auto.calibration_path() == tmp_path / "visattn" / "calibration.json"
     first, last = auto.DEFAULT_THRESHOLDS[0], auto.DEFAULT_THRESHOLDS[-1]
-    with caplog.at_level(logging.INFO, logger="visattn.auto"):
+    with caplog.at_level(logging.INFO, logger="visattn.models.auto"):
         assert auto.select_attention("visattn_vit_small_patch16", (16, 16)) == first[1]
         assert auto.select_attention("visattn_vit_small_patch16", (4096, 4096)) == last[1]
     assert "from built-in defaults" in caplog.text and "(65536 patch tokens)" in caplog.text
@@ -396,7 +451,7 @@ def test_select_attention_uses_the_calibration(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     auto.save_calibration("visattn_vit_small_patch16", [(0, "axial"), (600, "neighborhood")], {"mode": "train"})
     auto.save_calibration("visattn_vit_tiny_patch16", [(0, "linformer")], {"mode": "infer"})
-    with caplog.at_level(logging.INFO, logger="visattn.auto"):
+    with caplog.at_level(logging.INFO, logger="visattn.models.auto"):
         assert auto.select_attention("visattn_vit_small_patch16", (224, 224)) == "axial"  # 196 tokens
         assert auto.select_attention("visattn_vit_small_patch16", (512, 384)) == "neighborhood"  # 768 tokens
     assert "'neighborhood' for visattn_vit_small_patch16 at 512x384 px (768 patch tokens), from calibration" in caplog.text
@@ -407,7 +462,7 @@ def test_select_attention_uses_the_calibration(tmp_path, monkeypatch, caplog):
 def test_unusable_calibration_falls_back_to_defaults(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     auto.save_calibration("visattn_vit_small_patch16", [(0, "no_such_type")], {})
-    with caplog.at_level(logging.WARNING, logger="visattn.auto"):
+    with caplog.at_level(logging.WARNING, logger="visattn.models.auto"):
         assert auto.select_attention("visattn_vit_small_patch16", (224, 224)) == auto.DEFAULT_THRESHOLDS[0][1]
     assert "unknown attention type(s) no_such_type" in caplog.text
     auto.calibration_path().write_text("{not json")
@@ -447,14 +502,14 @@ def test_profile_block_script_reports_each_type(capsys):
 
 
 def test_crossover_not_reached_names_the_largest_size_of_its_mode():
-    def result(attn: str, mode: str, tokens: int, seconds: float) -> bench.Result:
-        case = bench.Case(kind="model", attn=attn, mode=mode, size=(tokens, tokens), batch_size=1, device="cpu",
+    def result(attn: str, mode: str, tokens: int, seconds: float) -> Result:
+        case = Case(kind="model", attn=attn, mode=mode, size=(tokens, tokens), batch_size=1, device="cpu",
                           dtype="fp32", compile=False)
-        r = bench.Result(case, tokens, (1, tokens), flops=1, estimate_bytes=0, param_count=0)
+        r = Result(case, tokens, (1, tokens), flops=1, estimate_bytes=0, param_count=0)
         r.times = [seconds]
         return r
 
     results = [result(attn, "infer", n, t) for n in (100, 400) for attn, t in (("timm", 1.0), ("slow", 2.0))]
     results += [result(attn, "train", 100, t) for attn, t in (("timm", 1.0), ("slow", 2.0))]
-    report = bench.markdown_report(results, bench.summarize(results, 3), 3)
-    assert "| slow | not up to 400 | not up to 100 |" in report
+    text = report.markdown_report(results, report.summarize(results, 3), 3)
+    assert "| slow | not up to 400 | not up to 100 |" in text

@@ -1,0 +1,185 @@
+"""The ``visattn-bench`` command line: parse the arguments, plan the sweep, measure it, write the reports."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from visattn.bench.calibrate import calibrate
+from visattn.bench.memory import capacity_bytes
+from visattn.bench.report import csv_rows, markdown_report, plot, summarize, write_csv
+from visattn.bench.sweep import (
+    DEFAULT_MODEL,
+    DTYPES,
+    FLOOR,
+    MODES,
+    TIMM,
+    Result,
+    plan_model_sweep,
+    plan_ops_sweep,
+    timm_reference_name,
+)
+from visattn.bench.timing import Timing, measure
+from visattn.layers import list_attentions
+from visattn.layers.options import parse_key_values
+
+DEFAULT_SIZES = ("224", "512", "1024", "2048")
+DEFAULT_GRIDS = ("16x32", "32x64", "64x128", "128x256")
+
+
+def _size(text: str) -> tuple[int, int]:
+    """'224' -> (224, 224); '512x1024' -> (512, 1024)."""
+    try:
+        parts = [int(p) for p in text.lower().split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"size must be N or HxW with positive integers, got {text!r}")
+    return parts[0], parts[1]
+
+
+def _key_values(text: str) -> dict[str, Any]:
+    """``depth=6`` (or ``depth=6,mlp_ratio=2``) -> {"depth": 6, ...}, values read as YAML 1.2."""
+    try:
+        return parse_key_values(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _attn_kwargs(text: str) -> dict[str, dict[str, Any]]:
+    """``{"linformer": {"k": 64}}`` or ``linformer={k: 64}``: options keyed by attention name."""
+    value = _key_values(text)
+    if not all(isinstance(v, dict) for v in value.values()):
+        raise argparse.ArgumentTypeError('--attn-kwargs must map attention names to options, e.g. \'{"linformer": {"k": 64}}\'')
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="visattn-bench",
+        description="Throughput and peak memory of the visattn attention types vs timm's fused softmax attention.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--ops", action="store_true", help="time the attention ops alone (no model) on --grids")
+    p.add_argument("--calibrate", action="store_true", help="also write the calibration of attn='auto' for --model")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="visattn model (timm name)")
+    p.add_argument("--timm-model", help="timm's stock reference model; default: --model without 'visattn_', with '_224'")
+    p.add_argument("--attn", nargs="+", default=list_attentions(), help="attention types (the references timm and floor are added, see --references)")
+    p.add_argument("--attn-kwargs", type=_attn_kwargs, default={}, help='type options as JSON, e.g. \'{"linformer": {"k": 64}}\'')
+    p.add_argument("--model-kwargs", type=_key_values, nargs="*", default=[], metavar="KEY=VALUE", help="passed to both models, e.g. depth=6")
+    p.add_argument("--sizes", type=_size, nargs="+", default=[_size(s) for s in DEFAULT_SIZES], help="image sizes: N or HxW")
+    p.add_argument(
+        "--train-sizes", type=_size, nargs="+", default=None,
+        help="image sizes of the train mode, if not all of --sizes (a 2048^2 softmax training step takes minutes)",
+    )
+    p.add_argument("--grids", type=_size, nargs="+", default=[_size(s) for s in DEFAULT_GRIDS], help="token grids of --ops")
+    p.add_argument("--heads", type=int, default=6, help="heads of --ops")
+    p.add_argument("--head-dim", type=int, default=64, help="head width of --ops")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="infer: forward; train: forward, backward, AdamW")
+    p.add_argument("--batch-size", type=int, default=1, help="images (q, k, v batch in --ops) per step")
+    p.add_argument("--num-classes", type=int, default=1000, help="classifier width of both models")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="bf16: autocast mixed precision")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (the op in --ops)")
+    p.add_argument(
+        "--references", nargs="*", choices=[TIMM, FLOOR], default=[TIMM, FLOOR],
+        help="reference rows of the model sweep; leave timm out where its step would take too long",
+    )
+    p.add_argument(
+        "--grad-checkpointing", action="store_true", help="train mode: recompute each block in the backward (timm's set_grad_checkpointing)"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds")
+    p.add_argument("--min-iters", type=int, default=5, help="timed steps per row, at least")
+    p.add_argument("--min-seconds", type=float, default=2.0, help="timed seconds per row, at least")
+    p.add_argument("--max-seconds", type=float, default=120.0, help="stop timing a row past this many timed seconds")
+    p.add_argument("--settle", type=float, default=0.5, help="rest before each step: as long as the previous step took, at most this many seconds")
+    p.add_argument(
+        "--max-memory", type=float,
+        help="GB a configuration may use by estimate, else it is skipped; default: 80%% of RAM (CPU), 90%% of the GPU",
+    )
+    p.add_argument("--fit-points", type=int, default=3, help="largest sizes in the scaling-exponent fit")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory")
+    return p
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    unknown = [a for a in args.attn if a not in list_attentions()]
+    if unknown:
+        parser.error(f"unknown attention(s) {', '.join(unknown)}; valid: {', '.join(list_attentions())}")
+    args.attn = list(dict.fromkeys(args.attn))
+    bad_kwargs = [a for a in args.attn_kwargs if a not in args.attn]
+    if bad_kwargs:
+        parser.error(f"--attn-kwargs for {', '.join(bad_kwargs)}, which is not among --attn ({', '.join(args.attn)})")
+    args.model_kwargs = {key: value for given in args.model_kwargs for key, value in given.items()}
+    taken = {"img_size", "num_classes", "attn", "attn_kwargs"} & set(args.model_kwargs)
+    if taken:
+        parser.error(f"--model-kwargs cannot set {', '.join(sorted(taken))}; use --sizes, --num-classes, --attn, --attn-kwargs")
+    for name in ("batch_size", "num_classes", "heads", "head_dim", "min_iters", "fit_points"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    finite = all(math.isfinite(s) for s in (args.min_seconds, args.settle, args.max_seconds))
+    if not finite or args.warmup < 0 or args.min_seconds < 0 or args.settle < 0 or args.max_seconds <= 0:
+        parser.error("--warmup, --min-seconds and --settle must be >= 0 and --max-seconds > 0")
+    if args.calibrate and args.ops:
+        parser.error("--calibrate measures the model sweep; it cannot be combined with --ops")
+    if args.grad_checkpointing and (args.ops or "train" not in args.modes):
+        parser.error("--grad-checkpointing applies to the model sweep's train mode; add --modes train, without --ops")
+    device = torch.device(args.device)
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        parser.error(f"--device must be cpu or an available cuda device, got {args.device!r}")
+    args.capacity_bytes = capacity_bytes(device)
+    if args.max_memory is not None and args.max_memory <= 0:
+        parser.error("--max-memory must be > 0")
+    if args.train_sizes is not None and not set(args.train_sizes) <= set(args.sizes):
+        parser.error(f"--train-sizes must be among --sizes {args.sizes}, got {args.train_sizes}")
+    args.max_memory_bytes = args.capacity_bytes if args.max_memory is None else int(args.max_memory * 2**30)
+    if not args.ops:
+        try:
+            args.timm_model = args.timm_model or timm_reference_name(args.model)
+        except ValueError as err:
+            parser.error(str(err))
+    return args
+
+
+def run(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
+    """Plan, measure, write the outputs; returns the results and the summary."""
+    plan = plan_ops_sweep(args) if args.ops else plan_model_sweep(args)
+    timing = Timing(args.warmup, args.min_iters, args.min_seconds, args.max_seconds, args.settle)
+    with tqdm(total=sum(len(g) for g in plan), unit="config", file=sys.stderr, dynamic_ncols=True) as progress:
+        for group in plan:
+            measure(group, timing, args.max_memory_bytes, args.capacity_bytes, progress)
+    results = [r for group in plan for r in group]
+    summary = summarize(results, args.fit_points)
+    report = markdown_report(results, summary, args.fit_points)
+    stem = "ops" if args.ops else "bench"
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(csv_rows(results), args.out / f"{stem}.csv")
+    (args.out / f"{stem}.md").write_text(report + "\n")
+    plot(results, args.out / f"{stem}.png")
+    summary["settings"] = json.loads(json.dumps(vars(args), default=str))
+    if args.calibrate:
+        summary["calibration"] = calibrate(results, args)
+    (args.out / f"{stem}_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(report)
+    if args.calibrate:
+        calibration = summary["calibration"]
+        steps = ", ".join(f"{name} from {tokens} tokens" for tokens, name in calibration["thresholds"])
+        print(f"calibration for attn='auto' written to {calibration['path']}: {steps}")
+    print(f"wrote {stem}.csv, {stem}.md, {stem}.png, {stem}_summary.json in {args.out}", file=sys.stderr)
+    return results, summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    run(_parse(argv))
+    return 0

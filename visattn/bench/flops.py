@@ -1,0 +1,149 @@
+"""Model-level cost of a visattn ViT: FLOPs and memory per image, from the per-type formulas that each
+layer class states (:meth:`visattn.layers.GridAttention.mixing_flops` and its siblings; counting rules
+in :mod:`visattn.layers.cost`).
+
+FLOPs
+-----
+The whole model, per image, forward:
+
+* patch embedding: ``2 HW (c_in p_h p_w) C`` for an H x W patch grid and C = embed_dim;
+* per block: the qkv projection (``6 N C^2`` unless the type says otherwise) + ``proj 2 N C^2`` +
+  ``MLP 4 N C C_mlp`` + the token mixing of the type, with N = P + HW tokens (P prefix tokens: class +
+  register);
+* head: ``2 C num_classes`` (one pooled token).
+
+A training step (forward + backward) costs ``3 x forward - patch embedding``: the backward of a product
+is two products of the same size, except that no gradient flows into the image. Where implementation
+and definition coincide, the forward counts equal ``torch.utils.flop_counter.FlopCounterMode`` on the
+math path of ``scaled_dot_product_attention`` (the fused CPU kernel hides its products from the
+counter); the tests check this for every registered type.
+
+Memory
+------
+:func:`estimate_memory` is the memory a configuration allocates on top of the runtime itself (CUDA
+context, interpreter and libraries are not included): parameters (x4 in training: weights, gradients
+and the two AdamW moments), the activations saved for the backward (training) or the largest live set
+of one block (inference), and each type's own buffers (:meth:`~visattn.layers.GridAttention.mixing_memory`).
+It is an estimate for deciding what to skip, good to a small factor; ``visattn-bench`` measures the
+real peak.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from visattn.layers import get_attention
+from visattn.layers.cost import TokenLayout
+from visattn.models.shapes import patch_grid
+
+
+@dataclass(frozen=True)
+class ViTShape:
+    """What the cost model needs to know about a timm ``VisionTransformer``."""
+
+    embed_dim: int
+    depth: int
+    num_heads: int
+    mlp_hidden: int
+    patch_size: tuple[int, int]
+    in_chans: int
+    num_prefix_tokens: int
+    num_classes: int
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> ViTShape:
+        """Read the shape off a timm ``VisionTransformer`` (also one built on the meta device)."""
+        block = model.blocks[0]
+        head = model.head
+        return cls(
+            embed_dim=model.embed_dim,
+            depth=len(model.blocks),
+            num_heads=block.attn.num_heads,
+            mlp_hidden=block.mlp.fc1.out_features,
+            patch_size=tuple(model.patch_embed.patch_size),
+            in_chans=model.patch_embed.proj.in_channels,
+            num_prefix_tokens=model.num_prefix_tokens,
+            num_classes=head.out_features if isinstance(head, nn.Linear) else 0,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    def grid(self, img_size: tuple[int, int]) -> tuple[int, int]:
+        """The patch grid (H, W) of an image of ``img_size`` (height, width) pixels."""
+        return patch_grid(img_size, self.patch_size)
+
+    def layout(self, img_size: tuple[int, int]) -> TokenLayout:
+        return TokenLayout(self.grid(img_size), self.num_prefix_tokens)
+
+
+def attention_options(attn: str, attn_kwargs: Mapping[str, Any], grid: tuple[int, int]) -> dict[str, Any]:
+    """The type options a layer is built with: its constructor defaults, ``ref_grid`` set to the model's
+    grid (as :func:`visattn.convert` does), then ``attn_kwargs``."""
+    options = get_attention(attn).type_options()
+    if "ref_grid" in options:
+        options["ref_grid"] = tuple(grid)
+    return options | dict(attn_kwargs)
+
+
+def mixing_flops(attn: str, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any]) -> int:
+    """Forward FLOPs of one block's token mixing for one image."""
+    return get_attention(attn).mixing_flops(layout, num_heads, head_dim, options)
+
+
+def patch_embed_flops(shape: ViTShape, img_size: tuple[int, int]) -> int:
+    h, w = shape.grid(img_size)
+    return 2 * h * w * shape.in_chans * shape.patch_size[0] * shape.patch_size[1] * shape.embed_dim
+
+
+def vit_flops(shape: ViTShape, img_size: tuple[int, int], attn: str, options: Mapping[str, Any]) -> int:
+    """Forward FLOPs of the whole model for one image of ``img_size`` (height, width)."""
+    layer = get_attention(attn)
+    layout = shape.layout(img_size)
+    n, c = layout.num_tokens, shape.embed_dim
+    block = layer.qkv_flops(layout, c, options) + 2 * n * c * c + 4 * n * c * shape.mlp_hidden
+    mixing = layer.mixing_flops(layout, shape.num_heads, shape.head_dim, options)
+    return patch_embed_flops(shape, img_size) + shape.depth * (block + mixing) + 2 * c * shape.num_classes
+
+
+def train_flops(shape: ViTShape, img_size: tuple[int, int], attn: str, options: Mapping[str, Any]) -> int:
+    """FLOPs of a training step (forward + backward) for one image."""
+    return 3 * vit_flops(shape, img_size, attn, options) - patch_embed_flops(shape, img_size)
+
+
+def estimate_memory(
+    shape: ViTShape,
+    img_size: tuple[int, int],
+    attn: str,
+    options: Mapping[str, Any],
+    batch_size: int,
+    training: bool,
+    act_bytes: int,
+    param_count: int,
+    grad_checkpointing: bool = False,
+) -> int:
+    """Bytes a forward (``training=False``) or a training step with AdamW allocates at its peak.
+
+    Per image and block, training keeps ``5 N C + 2 N C_mlp`` activations for the backward (the inputs of
+    both norms, of qkv, proj, fc1, and of the GELU and fc2) plus the type's saved tensors, and needs
+    one block's working set on top during the backward; inference holds at most one block's live set:
+    the MLP stage (``2 N C + 2 N C_mlp``) or the attention stage (``6 N C`` plus the type's buffers).
+    With gradient checkpointing, training keeps only each block's input (``N C``) and, during the
+    backward, one recomputed block's saved activations.
+    """
+    layout = shape.layout(img_size)
+    n, c, hidden = layout.num_tokens, shape.embed_dim, shape.mlp_hidden
+    mix = get_attention(attn).mixing_memory(layout, shape.num_heads, shape.head_dim, options, act_bytes)
+    image = 3 * img_size[0] * img_size[1] * 4 + 2 * n * c * act_bytes
+    mlp_stage = (2 * n * c + 2 * n * hidden) * act_bytes
+    attention_stage = 6 * n * c * act_bytes + mix.infer
+    if training:
+        block_saved = (5 * n * c + 2 * n * hidden) * act_bytes + mix.train
+        saved = shape.depth * n * c * act_bytes + block_saved if grad_checkpointing else shape.depth * block_saved
+        per_image = image + saved + max(mlp_stage, attention_stage)
+        return 16 * param_count + shape.depth * mix.shared + batch_size * per_image
+    return 4 * param_count + mix.shared + batch_size * (image + max(mlp_stage, attention_stage))

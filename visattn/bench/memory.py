@@ -1,0 +1,63 @@
+"""Peak memory of a worker, and which workers the machine holds at once.
+
+* Every configuration runs in its own worker process, which reports its own peak memory at the end:
+  peak RSS (``ru_maxrss``) on CPU, ``torch.cuda.max_memory_allocated`` on CUDA. Peak memory of one
+  configuration is never mixed with another's.
+* Workers whose memory estimates (:func:`visattn.bench.flops.estimate_memory`) do not fit the machine
+  together (80% of RAM, 90% of the GPU) run in consecutive groups; a configuration whose own estimate
+  exceeds ``--max-memory`` (default: the same bound) is skipped and shown with the estimate.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import torch
+
+from visattn.bench.sweep import Result
+
+# Memory a worker process needs besides its configuration (interpreter, libraries, CUDA context).
+RUNTIME_BYTES = 512 * 2**20
+
+
+def memory_bytes(device: torch.device, peak: bool) -> int:
+    """CUDA: allocated now (``peak=False``) or at the peak. CPU: peak RSS of this process so far."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def capacity_bytes(device: torch.device) -> int:
+    """What the workers may use together: 90% of the GPU, or 80% of the machine's RAM."""
+    if device.type == "cuda":
+        return int(0.9 * torch.cuda.get_device_properties(device).total_memory)
+    return int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def skip_over_budget(results: list[Result], max_memory: int) -> list[Result]:
+    """Marks the results estimated above ``max_memory`` bytes as skipped, with their estimate; returns
+    the others."""
+    runnable = []
+    for r in results:
+        if r.estimate_bytes > max_memory:
+            r.status = "skipped"
+            r.message = f"estimated {r.estimate_bytes / 2**30:.3g} GB > --max-memory {max_memory / 2**30:.3g} GB"
+        else:
+            runnable.append(r)
+    return runnable
+
+
+def groups_that_fit(results: list[Result], capacity: int) -> list[list[Result]]:
+    """Consecutive groups whose estimates (plus each process's runtime) fit ``capacity`` together."""
+    groups: list[list[Result]] = []
+    used = 0
+    for r in results:
+        need = r.estimate_bytes + RUNTIME_BYTES
+        if not groups or used + need > capacity:
+            groups.append([])
+            used = 0
+        groups[-1].append(r)
+        used += need
+    return groups

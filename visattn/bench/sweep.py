@@ -1,0 +1,195 @@
+"""What a sweep measures: one :class:`Case` per configuration, one :class:`Result` to fill for each,
+planned with its FLOPs and memory estimate before any worker starts."""
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import timm
+import torch
+
+import visattn.models  # noqa: F401  (registers the visattn_vit_* models with timm)
+from visattn.bench.flops import ViTShape, attention_options, estimate_memory, train_flops, vit_flops
+from visattn.layers import GridAttention, get_attention
+from visattn.layers.cost import MixingMemory, TokenLayout
+
+MODES = ("infer", "train")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TIMM = "timm"
+FLOOR = "floor"
+# The naive twin of softmax attention (explicit N x N scores), timed by the ops benchmark beside the layers.
+EXPLICIT_SOFTMAX = "softmax_explicit"
+DEFAULT_MODEL = "visattn_vit_small_patch16"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration, measured by one worker process."""
+
+    kind: str  # "model" or "op"
+    attn: str  # a registry name, "timm" or "softmax_explicit"
+    mode: str  # "infer" or "train"
+    size: tuple[int, int]  # image (H, W) pixels for a model, token grid (H, W) for an op
+    batch_size: int
+    device: str
+    dtype: str
+    compile: bool
+    attn_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_name: str = DEFAULT_MODEL
+    timm_name: str = ""
+    num_classes: int = 1000
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    num_heads: int = 6
+    head_dim: int = 64
+    grad_checkpointing: bool = False  # train mode: timm's set_grad_checkpointing (recompute each block)
+
+    @property
+    def size_label(self) -> str:
+        h, w = self.size
+        return str(h) if h == w and self.kind == "model" else f"{h}x{w}"
+
+    @property
+    def act_bytes(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+
+@dataclass
+class Result:
+    """What was measured (or why not) for one case."""
+
+    case: Case
+    tokens: int
+    grid: tuple[int, int]
+    flops: int  # per image (per batch element for an op), this case's mode
+    estimate_bytes: int
+    param_count: int
+    status: str = "ok"  # ok | skipped | oom | error
+    message: str = ""
+    times: list[float] = field(default_factory=list)
+    build_bytes: int | None = None
+    peak_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and bool(self.times)
+
+    @property
+    def step_time(self) -> float | None:
+        """Median seconds per step."""
+        return statistics.median(self.times) if self.ok else None
+
+    @property
+    def samples_per_sec(self) -> float | None:
+        return self.case.batch_size / self.step_time if self.ok else None
+
+    @property
+    def activation_bytes(self) -> int | None:
+        """Peak above the footprint after building: activations, gradients, optimizer state."""
+        if self.peak_bytes is None or self.build_bytes is None:
+            return None
+        return self.peak_bytes - self.build_bytes
+
+
+def build_model(case: Case, device: str | torch.device | None = None) -> torch.nn.Module:
+    """The model of a model case: the visattn ViT with ``case.attn``, or timm's stock ViT for ``timm``."""
+    common = dict(img_size=case.size, num_classes=case.num_classes, **case.model_kwargs)
+    with torch.device(device or case.device):
+        if case.attn == TIMM:
+            return timm.create_model(case.timm_name, **common)
+        return timm.create_model(case.model_name, attn=case.attn, attn_kwargs=case.attn_kwargs, **common)
+
+
+def build_layer(case: Case, device: str | torch.device | None = None) -> GridAttention:
+    """The layer of an op case (not the explicit-softmax twin), built as in a model whose grid is the case's."""
+    options = attention_options(case.attn, case.attn_kwargs, case.size)
+    dim = case.num_heads * case.head_dim
+    return get_attention(case.attn)(dim, num_heads=case.num_heads, device=device or case.device, **options)
+
+
+def timm_reference_name(model_name: str) -> str:
+    """timm's stock model of the same shape: ``visattn_vit_small_patch16`` -> ``vit_small_patch16_224``."""
+    candidate = model_name.removeprefix("visattn_") + "_224"
+    if not model_name.startswith("visattn_") or not timm.is_model(candidate):
+        raise ValueError(f"no timm reference model found for {model_name!r}; name one with --timm-model")
+    return candidate
+
+
+def plan_model_sweep(args: argparse.Namespace) -> list[list[Result]]:
+    """The results to fill, one list per image size: rows timm, floor, the types; each in every mode."""
+    references = [r for r in (TIMM, FLOOR) if r in args.references]
+    rows = references + [a for a in args.attn if a not in references]
+    plan = []
+    for size in args.sizes:
+        group = []
+        for mode in args.modes:
+            if mode == "train" and args.train_sizes is not None and size not in args.train_sizes:
+                continue
+            for attn in rows:
+                case = Case(
+                    kind="model", attn=attn, mode=mode, size=size, batch_size=args.batch_size, device=args.device,
+                    dtype=args.dtype, compile=args.compile, attn_kwargs=args.attn_kwargs.get(attn, {}),
+                    model_name=args.model, timm_name=args.timm_model, num_classes=args.num_classes,
+                    model_kwargs=args.model_kwargs, grad_checkpointing=args.grad_checkpointing,
+                )
+                meta = build_model(case, device="meta")  # also checks the options, before any worker starts
+                shape = ViTShape.from_model(meta)
+                grid = shape.grid(size)
+                cost_attn = "softmax" if attn == TIMM else attn
+                options = attention_options(cost_attn, case.attn_kwargs, grid)
+                param_count = sum(p.numel() for p in meta.parameters())
+                training = mode == "train"
+                flops = (train_flops if training else vit_flops)(shape, size, cost_attn, options)
+                estimate = estimate_memory(
+                    shape, size, cost_attn, options, args.batch_size, training, case.act_bytes, param_count,
+                    grad_checkpointing=args.grad_checkpointing,
+                )
+                group.append(Result(case, grid[0] * grid[1], grid, flops, estimate, param_count))
+        plan.append(group)
+    return plan
+
+
+def explicit_softmax_memory(layout: TokenLayout, num_heads: int, head_dim: int, act_bytes: int) -> MixingMemory:
+    """The explicit-softmax twin: scores and probabilities, h x N x N each; the backward keeps the
+    probabilities, q, k, v."""
+    n, c = layout.num_tokens, num_heads * head_dim
+    return MixingMemory(
+        infer=(2 * num_heads * n * n + n * c) * act_bytes, train=(num_heads * n * n + 4 * n * c) * act_bytes
+    )
+
+
+def estimate_op_memory(case: Case, layout: TokenLayout, mix: MixingMemory) -> int:
+    """q, k, v (and their gradients in training) plus the op's own buffers ``mix``, for the batch."""
+    qkv = 3 * layout.num_tokens * case.num_heads * case.head_dim * case.act_bytes
+    if case.mode == "train":
+        return mix.shared + case.batch_size * (2 * qkv + mix.train + mix.infer)
+    return mix.shared + case.batch_size * (qkv + mix.infer)
+
+
+def plan_ops_sweep(args: argparse.Namespace) -> list[list[Result]]:
+    """The results to fill, one list per grid: fused softmax, its explicit twin, then the types."""
+    rows = ["softmax", EXPLICIT_SOFTMAX] + [a for a in args.attn if a not in ("softmax", FLOOR)]
+    plan = []
+    for grid in args.grids:
+        group = []
+        for mode in args.modes:
+            for attn in rows:
+                case = Case(
+                    kind="op", attn=attn, mode=mode, size=grid, batch_size=args.batch_size, device=args.device,
+                    dtype=args.dtype, compile=args.compile, attn_kwargs=args.attn_kwargs.get(attn, {}),
+                    num_heads=args.heads, head_dim=args.head_dim,
+                )
+                layout = TokenLayout(grid, 0)
+                if attn == EXPLICIT_SOFTMAX:  # the same products as the fused op
+                    flops = get_attention("softmax").mixing_flops(layout, args.heads, args.head_dim, {})
+                    mix = explicit_softmax_memory(layout, args.heads, args.head_dim, case.act_bytes)
+                else:
+                    build_layer(case, device="meta")  # checks the options, before any worker starts
+                    layer, options = get_attention(attn), attention_options(attn, case.attn_kwargs, grid)
+                    flops = layer.mixing_flops(layout, args.heads, args.head_dim, options)
+                    mix = layer.mixing_memory(layout, args.heads, args.head_dim, options, case.act_bytes)
+                flops *= 3 if mode == "train" else 1  # each product has two products in its backward
+                group.append(Result(case, layout.num_tokens, grid, flops, estimate_op_memory(case, layout, mix), 0))
+        plan.append(group)
+    return plan
