@@ -1,0 +1,15 @@
+"""Training visattn ViTs with accelerate (the ``visattn[train]`` extra); ``train.py`` puts the pieces together.
+
+    config.py       TrainConfig: the fields of a recipe, their checks, YAML recipes
+    fieldtypes.py   values checked against the fields' type annotations
+    cli.py          one flag per field; defaults <- --config <- flags (<- the saved config on --resume)
+    augment.py      timm augmentation policies checked before a run starts
+    data.py         datasets (embedded digits, CIFAR, ImageFolder), transforms, seeded augmentation
+    build.py        accelerator, data, model, optimizer, scheduler, loaders, mixup from a config
+    loop.py         one epoch, evaluation, metrics, weights and checkpoints, the run's summary
+    checkpoint.py   run directory and crash-safe checkpoints (visattn.predict loads the trained model)
+    run_log.py      per-epoch metrics, plot, summary, peak memory
+"""
+from visattn.train.config import ConfigError, TrainConfig, make_config
+
+__all__ = ["ConfigError", "TrainConfig", "make_config"]

@@ -1,0 +1,118 @@
+"""What a training run is built from, each piece from the config: the accelerator, data, model,
+optimizer, scheduler, loaders and mixup. Every builder turns a bad combination into a ConfigError
+before the run directory is touched."""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn as nn
+from accelerate import Accelerator, DataLoaderConfiguration, PartialState
+from accelerate.utils import ProjectConfiguration
+from timm.data import Mixup
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.scheduler.scheduler import Scheduler
+from torch.utils.data import DataLoader
+
+from visattn.train.config import ConfigError, TrainConfig
+from visattn.train.data import DataError, DataSplits, TransformedDataset, build_transform, load_splits
+
+
+def launched_without_accelerator() -> bool:
+    """Several processes on a machine without GPU (or other accelerator).
+
+    ``accelerate launch --multi_gpu`` starts them but leaves each alone (DistributedType.NO) there;
+    ``cpu=True`` makes them one gloo process group (MULTI_CPU) instead.
+    """
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available()
+
+
+def process_state() -> PartialState:
+    """This process's place in the launch, usable before (and without) an Accelerator."""
+    return PartialState(cpu=launched_without_accelerator())
+
+
+def build_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
+    return Accelerator(
+        cpu=launched_without_accelerator(),
+        mixed_precision=config.mixed_precision,
+        gradient_accumulation_steps=config.grad_accum_steps,
+        log_with=config.log_with or None,
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+    )
+
+
+def load_data(accelerator: Accelerator, config: TrainConfig, download: bool) -> DataSplits:
+    """The main process loads (and downloads) first; the others then read what it left on disk."""
+    splits, error = None, None
+    if accelerator.is_main_process:
+        try:
+            splits = load_splits(config, download)
+        except DataError as caught:
+            error = caught
+    accelerator.wait_for_everyone()
+    if error is not None:
+        raise error
+    return splits if splits is not None else load_splits(config, download=False)
+
+
+def build_model(config: TrainConfig, num_classes: int) -> nn.Module:
+    try:
+        return timm.create_model(config.model, **config.model_kwargs_for_timm(num_classes))
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"model {config.model!r} cannot be built from this config: {error}") from None
+
+
+def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    try:
+        return create_optimizer_v2(model, opt=config.opt, lr=config.lr, weight_decay=config.weight_decay, **config.opt_kwargs)
+    except TypeError as error:
+        raise ConfigError(f"opt_kwargs: {error}") from None
+
+
+def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, batches_per_epoch: int) -> Scheduler:
+    """timm's scheduler, stepped per optimizer update; stateless but for the update count (which the
+    trainer state carries), so it needs no checkpoint file."""
+    scheduler, _ = create_scheduler_v2(
+        optimizer, sched=config.sched, num_epochs=config.epochs, warmup_epochs=config.warmup_epochs,
+        warmup_lr=config.warmup_lr, min_lr=config.min_lr, step_on_epochs=False,
+        updates_per_epoch=math.ceil(batches_per_epoch / config.grad_accum_steps),
+    )
+    return scheduler
+
+
+def build_loaders(config: TrainConfig, splits: DataSplits, num_processes: int) -> tuple[DataLoader, DataLoader]:
+    global_batch = config.batch_size * num_processes
+    if len(splits.train) < global_batch:
+        raise ConfigError(
+            f"batch_size: {config.batch_size} x {num_processes} process(es) is more than the {len(splits.train)} "
+            "training images; no full batch to train on"
+        )
+    train_set = TransformedDataset(splits.train, build_transform(config, splits, training=True), seed=config.seed)
+    eval_set = TransformedDataset(splits.eval, build_transform(config, splits, training=False), seed=None)
+    # Own generators, so that creating a loader iterator never draws from the process RNG.
+    common = dict(batch_size=config.batch_size, num_workers=config.num_workers, pin_memory=torch.cuda.is_available())
+    train_loader = DataLoader(
+        train_set, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(config.seed), **common
+    )
+    eval_loader = DataLoader(eval_set, shuffle=False, generator=torch.Generator().manual_seed(config.seed), **common)
+    return train_loader, eval_loader
+
+
+def build_mixup(config: TrainConfig, num_classes: int) -> Mixup | None:
+    if config.mixup == 0 and config.cutmix == 0:
+        return None
+    return Mixup(
+        mixup_alpha=config.mixup, cutmix_alpha=config.cutmix, prob=config.mixup_prob,
+        switch_prob=config.mixup_switch_prob, label_smoothing=config.label_smoothing, num_classes=num_classes,
+    )
+
+
+def build_criterion(config: TrainConfig, mixup: Mixup | None) -> nn.Module:
+    """Cross-entropy; with mixup the smoothing is already in the mixed targets."""
+    return nn.CrossEntropyLoss(label_smoothing=0.0 if mixup else config.label_smoothing)

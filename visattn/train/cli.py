@@ -1,0 +1,148 @@
+"""``train.py``'s command line: one flag per TrainConfig field, generated from the dataclass.
+
+Every field is a flag (``embed_dim`` -> ``--embed-dim``), its help the field's ``help`` metadata.
+Booleans are ``--augment``/``--no-augment``; lists are comma-separated (``--attn axial,softmax,axial,softmax``,
+``--img-size 32,48``); mappings (``attn_kwargs``, ``model_kwargs``, ``opt_kwargs``) take ``key=value``
+words or a mapping, read by :func:`visattn.layers.options.parse_key_values`
+(``--attn-kwargs kernel_size=5 dilation=2``). A flag's text is checked against the field's type here,
+and the values against the rest of the config by :class:`~visattn.train.config.TrainConfig`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from visattn.layers import list_attentions
+from visattn.layers.options import parse_key_values
+from visattn.train.checkpoint import CONFIG_FILE, is_run_dir
+from visattn.train.config import FIELD_TYPES, ConfigError, TrainConfig, changed_keys, check_keys, make_config, read_yaml
+from visattn.train.fieldtypes import accepts, accepts_scalar, alternatives, type_name
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What to do with the run directory and the data; not part of the recipe."""
+
+    config_file: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    download: bool = False
+
+
+def flag(key: str) -> str:
+    """The command-line flag of config key ``key``."""
+    return "--" + key.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Train a visattn ViT with accelerate (python train.py ... or accelerate launch train.py ...).",
+        argument_default=argparse.SUPPRESS,
+    )
+    run = parser.add_argument_group("run")
+    run.add_argument("--config", dest="config_file", metavar="FILE", help="YAML recipe (configs/*.yaml); flags override it")
+    run.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    run.add_argument("--overwrite", action="store_true", help="replace the previous run in --run-dir")
+    run.add_argument("--download", action="store_true", help="download the dataset if it is not in --data-dir")
+    recipe = parser.add_argument_group("recipe (every key of TrainConfig)")
+    for f in dataclasses.fields(TrainConfig):
+        annotation = FIELD_TYPES[f.name]
+        help_text = f.metadata.get("help", "")
+        if f.name == "attn":
+            help_text += f": {', '.join(list_attentions())}, or auto (chosen from the model and image size)"
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text += f" (default: {_as_flag_text(default)})"
+        if annotation is bool:
+            recipe.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(annotation) is dict:
+            recipe.add_argument(flag(f.name), dest=f.name, nargs="*", metavar="KEY=VALUE", help=help_text)
+        else:
+            recipe.add_argument(flag(f.name), dest=f.name, metavar=f.name.upper(), help=help_text)
+    return parser
+
+
+def _as_flag_text(value: Any) -> str:
+    """A default as one would type it on the command line."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "empty"
+    if isinstance(value, dict):
+        return " ".join(f"{key}={item}" for key, item in value.items()) or "empty"
+    return str(value).replace("%", "%%")  # argparse formats help with %
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any], RunOptions]:
+    """(values from --config, values from flags, run options), each key and type checked.
+
+    The two value mappings stay apart because ``--resume`` lays them over the run's saved config
+    rather than over the defaults.
+    """
+    namespace = vars(build_parser().parse_args(argv))
+    options = RunOptions(
+        config_file=namespace.pop("config_file", None),
+        resume=namespace.pop("resume", False),
+        overwrite=namespace.pop("overwrite", False),
+        download=namespace.pop("download", False),
+    )
+    if options.resume and options.overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other: continue the run, or replace it")
+    from_file = read_yaml(options.config_file) if options.config_file else {}
+    from_flags = check_keys({key: _parse_flag(key, raw) for key, raw in namespace.items()})
+    return from_file, from_flags, options
+
+
+def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, RunOptions, list[str]]:
+    """(config, run options, changes): defaults <- --config <- flags, where with --resume the run's saved
+    config takes the place of the defaults, and ``changes`` lists 'key: old -> new' for each saved
+    setting the flags or file change. ``config.run_dir`` is always set."""
+    from_file, from_flags, options = parse_args(argv)
+    config = make_config(from_file, from_flags)
+    run_dir = config.resolved_run_dir
+    changes: list[str] = []
+    if options.resume and is_run_dir(run_dir):
+        saved = make_config(read_yaml(run_dir / CONFIG_FILE))
+        config = make_config(saved.to_dict(), from_file, from_flags)
+        changes = changed_keys(saved, config)
+    config.run_dir = str(run_dir)
+    return config, options, changes
+
+
+def _parse_flag(key: str, raw: Any) -> Any:
+    """A flag's argparse value (a word, the words of a mapping, or a bool) as the field's type."""
+    annotation = FIELD_TYPES[key]
+    if annotation is bool:
+        return raw
+    if typing.get_origin(annotation) is dict:
+        mapping = {}
+        for word in raw:
+            try:
+                mapping.update(parse_key_values(word))
+            except ValueError as error:
+                raise ConfigError(f"{flag(key)}: {error}") from None
+        return mapping
+    list_types = [arg for arg in alternatives(annotation) if typing.get_origin(arg) is list]
+    if list_types and ("," in raw or not accepts_scalar(annotation)):
+        (item_type,) = typing.get_args(list_types[0])
+        return [_parse_scalar(key, item.strip(), item_type) for item in raw.split(",") if item.strip()]
+    return _parse_scalar(key, raw, annotation)
+
+
+def _parse_scalar(key: str, text: str, annotation: Any) -> Any:
+    """One command-line word as the scalar type(s) the field accepts."""
+    if accepts(annotation, type(None)) and text.lower() in ("none", "null"):
+        return None
+    if accepts(annotation, str):
+        return text
+    for kind in (int, float):
+        if accepts(annotation, kind):
+            try:
+                return kind(text)
+            except ValueError:
+                continue
+    raise ConfigError(f"{flag(key)}: expected {type_name(annotation)}, got {text!r}")

@@ -1,0 +1,317 @@
+"""The training configuration: one typed dataclass, filled from defaults, a YAML recipe and flags.
+
+Precedence, lowest first: the dataclass defaults (the embedded-dataset recipe), ``--config FILE``,
+then command-line flags (:mod:`visattn.train.cli`). A key the dataclass does not have, or a value of
+the wrong type, is a :class:`ConfigError` naming the key, wherever it comes from; :func:`check_values`
+then checks ranges and the keys that must agree with each other. Recipes are YAML with YAML 1.2
+scalars (``lr: 1e-3`` is a float, ``mixed_precision: no`` a string).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import timm
+import yaml
+from accelerate.tracking import get_available_trackers
+from timm.optim import list_optimizers
+
+from visattn.layers import list_attentions
+from visattn.layers.options import load_yaml
+from visattn.train.augment import check_auto_augment
+from visattn.train.fieldtypes import matches, type_name
+
+DATASETS = ("digits", "cifar10", "cifar100", "imagefolder")
+MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
+SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "wsd", "rsqrt", "constant")
+GLOBAL_POOLS = ("avg", "token", "max", "avgmax", "map")
+
+
+class ConfigError(ValueError):
+    """A configuration the training script cannot run; the message names the key and what it accepts."""
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class TrainConfig:
+    """One training run. The defaults are the embedded-dataset recipe (``configs/digits.yaml``)."""
+
+    # data
+    dataset: str = field(default="digits", metadata=_help(f"one of {', '.join(DATASETS)}"))
+    data_dir: str | None = field(
+        default=None,
+        metadata=_help("CIFAR root (none: ./data) or ImageFolder root (with train/ and val/ or test/, or one folder per class)"),
+    )
+    img_size: int | list[int] = field(default=16, metadata=_help("image side, or H,W; images are resized to it"))
+    eval_fraction: float = field(
+        default=0.2, metadata=_help("held-out share for digits and for an ImageFolder without a train/val split")
+    )
+    max_train_samples: int | None = field(default=None, metadata=_help("train on a fixed random subset of this size"))
+    max_eval_samples: int | None = field(default=None, metadata=_help("evaluate on a fixed random subset of this size"))
+    num_workers: int = field(default=0, metadata=_help("DataLoader worker processes"))
+    # model
+    model: str = field(default="visattn_vit_tiny_patch16", metadata=_help("timm model name"))
+    attn: str | list[str] = field(
+        default="softmax", metadata=_help("attention type, or one per block comma-separated")
+    )
+    attn_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata=_help("attention type options, key=value (per type name when attn is a list)")
+    )
+    patch_size: int = field(default=2, metadata=_help("patch side; the grid is img_size / patch_size"))
+    embed_dim: int = field(default=64, metadata=_help("token width"))
+    depth: int = field(default=4, metadata=_help("number of blocks"))
+    num_heads: int = field(default=2, metadata=_help("attention heads"))
+    mlp_ratio: float = field(default=2.0, metadata=_help("MLP hidden width / embed_dim"))
+    global_pool: str = field(default="avg", metadata=_help("how the head reads the tokens: avg, token (class token), max, map"))
+    class_token: bool = field(default=False, metadata=_help("prepend a class token"))
+    drop_path_rate: float = field(default=0.0, metadata=_help("stochastic depth rate"))
+    model_kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_help("any other timm VisionTransformer keyword, key=value (reg_tokens=4 qk_norm=true); replaces the mapping"),
+    )
+    # optimisation
+    epochs: int = field(default=16, metadata=_help("training epochs"))
+    batch_size: int = field(default=32, metadata=_help("images per process per step"))
+    grad_accum_steps: int = field(default=1, metadata=_help("steps whose gradients add up to one optimizer update"))
+    opt: str = field(default="adamw", metadata=_help("timm optimizer name (timm.optim.list_optimizers())"))
+    lr: float = field(default=2e-3, metadata=_help("peak learning rate"))
+    weight_decay: float = field(default=0.05, metadata=_help("decoupled weight decay (not on biases and norms)"))
+    opt_kwargs: dict[str, Any] = field(default_factory=dict, metadata=_help("extra optimizer keywords, key=value"))
+    sched: str = field(default="cosine", metadata=_help(f"timm scheduler: {', '.join(SCHEDULERS)}"))
+    warmup_epochs: int = field(default=2, metadata=_help("linear warm-up epochs"))
+    warmup_lr: float = field(default=1e-5, metadata=_help("learning rate at the start of warm-up"))
+    min_lr: float = field(default=1e-5, metadata=_help("learning rate at the end of the schedule"))
+    clip_grad: float | None = field(default=1.0, metadata=_help("clip the gradient norm to this; none to turn off"))
+    label_smoothing: float = field(default=0.1, metadata=_help("label smoothing"))
+    # augmentation (timm.data.create_transform and timm.data.Mixup)
+    augment: bool = field(default=True, metadata=_help("random augmentation of training images"))
+    auto_augment: str | None = field(
+        default=None, metadata=_help("timm RandAugment/AutoAugment policy, e.g. rand-m9-mstd0.5-inc1; none: off")
+    )
+    crop_scale: list[float] = field(default_factory=lambda: [0.7, 1.0], metadata=_help("random-resized-crop area range"))
+    crop_ratio: list[float] = field(default_factory=lambda: [0.8, 1.25], metadata=_help("random-resized-crop aspect range"))
+    hflip: float = field(default=0.0, metadata=_help("horizontal flip probability"))
+    color_jitter: float = field(default=0.0, metadata=_help("colour jitter strength (off while auto_augment is set)"))
+    re_prob: float = field(default=0.0, metadata=_help("random erasing probability"))
+    mixup: float = field(default=0.0, metadata=_help("mixup alpha (0: off)"))
+    cutmix: float = field(default=0.0, metadata=_help("cutmix alpha (0: off)"))
+    mixup_prob: float = field(default=1.0, metadata=_help("probability of mixing a batch"))
+    mixup_switch_prob: float = field(default=0.5, metadata=_help("probability of cutmix instead of mixup when both are on"))
+    # run
+    seed: int = field(default=0, metadata=_help("seed of the weights, the data order and the augmentation"))
+    mixed_precision: str = field(default="no", metadata=_help(f"accelerate mixed precision: {', '.join(MIXED_PRECISION)}"))
+    run_dir: str | None = field(default=None, metadata=_help("where the run is written (none: runs/<dataset>-<attn>)"))
+    save_every: int = field(
+        default=0, metadata=_help("also checkpoint every this many optimizer updates (0: at epoch ends only)")
+    )
+    keep_checkpoints: int = field(default=2, metadata=_help("how many of the latest checkpoints to keep"))
+    log_with: list[str] = field(default_factory=list, metadata=_help("accelerate trackers, e.g. tensorboard"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _checked(f.name, getattr(self, f.name), FIELD_TYPES[f.name]))
+        check_values(self)
+
+    # -- derived values -------------------------------------------------------------------------
+    @property
+    def image_hw(self) -> tuple[int, int]:
+        size = self.img_size
+        return (size, size) if isinstance(size, int) else (size[0], size[1])
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        if self.run_dir is not None:
+            return Path(self.run_dir)
+        label = self.attn if isinstance(self.attn, str) else "+".join(dict.fromkeys(self.attn))
+        return Path("runs") / f"{self.dataset}-{label}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def model_kwargs_for_timm(self, num_classes: int) -> dict[str, Any]:
+        """Keyword arguments of ``timm.create_model(self.model, **...)`` for this configuration."""
+        return {
+            "attn": self.attn,
+            "attn_kwargs": dict(self.attn_kwargs),
+            "img_size": self.image_hw,
+            "patch_size": self.patch_size,
+            "num_classes": num_classes,
+            "embed_dim": self.embed_dim,
+            "depth": self.depth,
+            "num_heads": self.num_heads,
+            "mlp_ratio": self.mlp_ratio,
+            "global_pool": self.global_pool,
+            "class_token": self.class_token,
+            "drop_path_rate": self.drop_path_rate,
+            **self.model_kwargs,
+        }
+
+
+# Model keywords that come from their own config keys or from the dataset (num_classes).
+_OWN_MODEL_KEYS = frozenset(
+    {"attn", "attn_kwargs", "img_size", "patch_size", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
+     "global_pool", "class_token", "drop_path_rate"}
+)
+FIELD_TYPES: dict[str, Any] = typing.get_type_hints(TrainConfig)
+
+
+# -- value checks -------------------------------------------------------------------------------
+def check_values(config: TrainConfig) -> None:
+    """ConfigError for the first value out of range, or keys that contradict each other."""
+    _choice("dataset", config.dataset, DATASETS)
+    _choice("mixed_precision", config.mixed_precision, MIXED_PRECISION)
+    _choice("sched", config.sched, SCHEDULERS)
+    _choice("global_pool", config.global_pool, GLOBAL_POOLS)
+    if config.global_pool == "token" and not config.class_token:
+        raise ConfigError("global_pool: 'token' reads the class token; set class_token true or use 'avg'")
+    _choice("opt", config.opt, list_optimizers())
+    if not timm.is_model(config.model):
+        raise ConfigError(f"model: {config.model!r} is not a timm model; visattn's: {', '.join(timm.list_models('visattn_*'))}")
+    if config.dataset == "imagefolder" and config.data_dir is None:
+        raise ConfigError("data_dir: dataset 'imagefolder' needs --data-dir pointing at the image folder")
+    for key in ("epochs", "batch_size", "grad_accum_steps", "patch_size", "embed_dim", "depth", "num_heads",
+                "keep_checkpoints"):
+        _at_least(key, getattr(config, key), 1)
+    for key in ("num_workers", "save_every", "warmup_epochs", "weight_decay", "warmup_lr", "min_lr"):
+        _at_least(key, getattr(config, key), 0)
+    for key in ("max_train_samples", "max_eval_samples"):
+        if getattr(config, key) is not None:
+            _at_least(key, getattr(config, key), 1)
+    if not config.lr > 0:
+        raise ConfigError(f"lr: must be > 0, got {config.lr}")
+    if config.clip_grad is not None and not config.clip_grad > 0:
+        raise ConfigError(f"clip_grad: must be > 0 or none, got {config.clip_grad}")
+    for key in ("drop_path_rate", "label_smoothing"):
+        if not 0 <= getattr(config, key) < 1:
+            raise ConfigError(f"{key}: must be in [0, 1), got {getattr(config, key)}")
+    if not 0 < config.eval_fraction < 1:
+        raise ConfigError(f"eval_fraction: must be in (0, 1), got {config.eval_fraction}")
+    for key in ("hflip", "re_prob", "mixup_prob", "mixup_switch_prob"):
+        if not 0 <= getattr(config, key) <= 1:
+            raise ConfigError(f"{key}: must be a probability in [0, 1], got {getattr(config, key)}")
+    for key in ("color_jitter", "mixup", "cutmix"):
+        _at_least(key, getattr(config, key), 0)
+    for key in ("crop_scale", "crop_ratio"):
+        low_high = getattr(config, key)
+        if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
+            raise ConfigError(f"{key}: must be [low, high] with 0 < low <= high, got {low_high}")
+    if isinstance(config.img_size, list) and len(config.img_size) != 2:
+        raise ConfigError(f"img_size: give one side or [H, W], got {config.img_size}")
+    for side, name in zip(config.image_hw, ("height", "width")):
+        if side < 1 or side % config.patch_size:
+            raise ConfigError(
+                f"img_size: image {name} {side} must be a positive multiple of patch_size={config.patch_size}"
+            )
+    if not config.mlp_ratio > 0:
+        raise ConfigError(f"mlp_ratio: must be > 0, got {config.mlp_ratio}")
+    if config.embed_dim % config.num_heads:
+        raise ConfigError(f"num_heads: embed_dim={config.embed_dim} must be divisible by num_heads={config.num_heads}")
+    if (config.mixup > 0 or config.cutmix > 0) and config.batch_size % 2:
+        raise ConfigError(f"batch_size: mixup/cutmix pair images within a batch, so it must be even, got {config.batch_size}")
+    available = [str(tracker) for tracker in get_available_trackers()]
+    for name in config.log_with:
+        if name != "all" and name not in available:
+            raise ConfigError(
+                f"log_with: tracker {name!r} is not available here; installed: {', '.join(available) or 'none'} "
+                "(or 'all')"
+            )
+    if config.auto_augment is not None:
+        try:
+            check_auto_augment(config.auto_augment)
+        except ValueError as error:
+            raise ConfigError(f"auto_augment: {error}") from None
+    valid = list_attentions()
+    if isinstance(config.attn, list):
+        if len(config.attn) != config.depth:
+            raise ConfigError(f"attn: {len(config.attn)} names given for depth={config.depth}; give one name or one per block")
+        bad = [name for name in config.attn if name not in valid]
+    else:
+        bad = [] if config.attn in valid or config.attn == "auto" else [config.attn]
+    if bad:
+        raise ConfigError(f"attn: unknown attention {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
+    overlap = sorted(set(config.model_kwargs) & _OWN_MODEL_KEYS)
+    if overlap:
+        raise ConfigError(f"model_kwargs: {', '.join(overlap)} set by their own config keys (or the dataset); set them there")
+
+
+def _choice(key: str, value: str, accepted: typing.Iterable[str]) -> None:
+    accepted = list(accepted)
+    if value not in accepted:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(accepted)}")
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(f"{key}: must be >= {low}, got {value}")
+
+
+# -- keys and types -----------------------------------------------------------------------------
+def _checked(key: str, value: Any, annotation: Any) -> Any:
+    ok, converted = matches(value, annotation)
+    if not ok:
+        raise ConfigError(f"{key}: expected {type_name(annotation)}, got {type(value).__name__} {value!r}")
+    return converted
+
+
+def _unknown_key_error(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, FIELD_TYPES, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{where}unknown config key {key!r}{hint}")
+
+
+def check_keys(values: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """``values`` with every key a field of TrainConfig and every value of the field's type."""
+    checked = {}
+    for key, value in values.items():
+        if key not in FIELD_TYPES:
+            raise _unknown_key_error(str(key), where)
+        try:
+            checked[key] = _checked(key, value, FIELD_TYPES[key])
+        except ConfigError as error:
+            raise ConfigError(f"{where}{error}") from None
+    return checked
+
+
+def make_config(*layers: dict[str, Any]) -> TrainConfig:
+    """The defaults with each mapping of ``layers`` laid over the previous ones, then checked."""
+    values: dict[str, Any] = {}
+    for layer in layers:
+        values.update(check_keys(layer))
+    return TrainConfig(**values)
+
+
+def changed_keys(old: TrainConfig, new: TrainConfig) -> list[str]:
+    """'key: old -> new' for every field that differs."""
+    old_values, new_values = old.to_dict(), new.to_dict()
+    return [f"{key}: {old_values[key]!r} -> {new_values[key]!r}" for key in old_values if old_values[key] != new_values[key]]
+
+
+# -- YAML recipes -------------------------------------------------------------------------------
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML config file, keys checked; ConfigError for a missing or malformed file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror or error}") from None
+    try:
+        values = load_yaml(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
+    return check_keys(values, where=f"{path}: ")
+
+
+def config_yaml(config: TrainConfig) -> str:
+    """``config`` as YAML that :func:`read_yaml` reads back to an equal config."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
