@@ -36,6 +36,29 @@ The modules, in the order a run uses them:
 * :mod:`~visattn.bench.targets`: the seed table's claimed times;
 * :mod:`~visattn.bench.calibrate`: the calibration of ``attn="auto"``.
 """
+from visattn._moved import moved_attributes
 from visattn.bench.cli import main
 
 __all__ = ["main"]
+
+# Names of the single-module benchmark, served from their modules for one release.
+__getattr__ = moved_attributes(
+    __name__,
+    {
+        **{name: f"visattn.bench.cli:{name}" for name in ("build_parser", "run")},
+        **{
+            name: f"visattn.bench.sweep:{name}"
+            for name in (
+                "Case", "Result", "build_model", "timm_reference_name", "plan_model_sweep", "plan_ops_sweep",
+                "MODES", "DTYPES", "TIMM", "FLOOR", "DEFAULT_MODEL",
+            )
+        },
+        **{name: f"visattn.bench.timing:{name}" for name in ("Timing", "measure")},
+        **{
+            name: f"visattn.bench.report:{name}"
+            for name in ("fit_exponent", "crossover_tokens", "summarize", "csv_rows", "markdown_report", "write_csv", "plot")
+        },
+        **{name: f"visattn.bench.targets:{name}" for name in ("SEED_CLAIMS_MS", "SEED_CLAIM_OF_ROW")},
+        "calibrate": "visattn.bench.calibrate:calibrate",
+    },
+)

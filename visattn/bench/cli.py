@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="visattn model (timm name)")
     p.add_argument("--timm-model", help="timm's stock reference model; default: --model without 'visattn_', with '_224'")
     p.add_argument("--attn", nargs="+", default=list_attentions(), help="attention types (the references timm and floor are added, see --references)")
-    p.add_argument("--attn-kwargs", type=_attn_kwargs, default={}, help='type options as JSON, e.g. \'{"linformer": {"k": 64}}\'')
+    p.add_argument("--attn-kwargs", type=_attn_kwargs, default={}, help='type options by attention name, as a mapping or KEY=VALUE words, e.g. \'{"linformer": {"k": 64}}\' or \'linformer={k: 64}\'')
     p.add_argument("--model-kwargs", type=_key_values, nargs="*", default=[], metavar="KEY=VALUE", help="passed to both models, e.g. depth=6")
     p.add_argument("--sizes", type=_size, nargs="+", default=[_size(s) for s in DEFAULT_SIZES], help="image sizes: N or HxW")
     p.add_argument(

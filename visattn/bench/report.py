@@ -248,7 +248,8 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 def plot(results: list[Result], path: Path) -> None:
     """Speed and peak memory against tokens, log-log, one line per attention type."""
-    # matplotlib comes with the [bench] extra, not with the layers, so it loads only when a plot is drawn
+    # Here, not at the top: the file-only backend must be chosen before pyplot loads, and only by a
+    # command that draws (the library's importers keep their own backend).
     import matplotlib
 
     matplotlib.use("Agg")

@@ -164,14 +164,19 @@ class GridAttention(nn.Module, ABC):
 
     @classmethod
     def type_options(cls) -> dict[str, Any]:
-        """The options of this type beyond timm's contract (its keyword-only constructor arguments) and
-        their defaults; what ``convert(..., **options)``, ``attn_kwargs`` and the cost formulas accept."""
+        """The options of this type beyond timm's contract (the other constructor arguments, keyword-only
+        by convention) and their defaults; what ``convert(..., **options)``, ``attn_kwargs`` and the cost formulas accept."""
         contract = inspect.signature(GridAttention.__init__).parameters
         return {
             p.name: p.default
             for p in inspect.signature(cls.__init__).parameters.values()
-            if p.kind is p.KEYWORD_ONLY and p.name not in contract
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in contract
         }
+
+    @property
+    def factory_kwargs(self) -> dict[str, Any]:
+        """The device and dtype of the projections, for the parameters a type adds to them."""
+        return {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
 
     @property
     def dropout_p(self) -> float:

@@ -45,7 +45,7 @@ class LinearAttention(GridAttention):
             raise ValueError(f"linear: dwconv_kernel must be None or an odd integer >= 1, got {dwconv_kernel!r}")
         self.feature_map = feature_map
         self.chunk_size = chunk_size
-        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}  # as the projections
+        dd = self.factory_kwargs
         self.dwconv = (
             nn.Conv2d(dim, dim, dwconv_kernel, padding=dwconv_kernel // 2, groups=dim, **dd) if dwconv_kernel else None
         )
@@ -112,7 +112,7 @@ class LinearAttention(GridAttention):
         plus ``2 M C k^2`` for the depthwise k x k convolution over the M patches (``dwconv_kernel``)."""
         n, c = layout.num_tokens, num_heads * head_dim
         flops = 2 * n * c * (2 * head_dim + 1)
-        kernel = options.get("dwconv_kernel")
+        kernel = options["dwconv_kernel"]
         if kernel:
             flops += 2 * layout.num_patches * c * kernel**2
         return flops
@@ -123,7 +123,7 @@ class LinearAttention(GridAttention):
         k, v (the qkv output) and the (d, d + 1) state, and recomputes the feature maps."""
         n, c = layout.num_tokens, num_heads * head_dim
         infer, train = n * c * act_bytes, 3 * n * c * act_bytes
-        if options.get("dwconv_kernel"):
+        if options["dwconv_kernel"]:
             infer += 3 * layout.num_patches * c * act_bytes
             train += 2 * layout.num_patches * c * act_bytes
         return MixingMemory(infer=infer, train=train)

@@ -45,7 +45,7 @@ class LinformerAttention(GridAttention):
         init = area_pooling_projection(k, ref_grid)  # validates k and ref_grid
         self.k = k
         self.ref_grid = (int(ref_grid[0]), int(ref_grid[1]))
-        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}  # as the projections
+        dd = self.factory_kwargs
         self.proj_k = nn.Parameter(init.to(**dd))
         self.proj_v = nn.Parameter(init.to(**dd, copy=True))  # its own storage, not proj_k's
 

@@ -8,9 +8,11 @@ import torch.nn as nn
 
 from visattn.layers.base import GridAttention
 from visattn.layers.cost import MixingMemory, tiled_memory
+from visattn.layers.neighborhood import NeighborhoodAttention
+from visattn.layers.sparse import SparseAttention
 from visattn.ops._checks import check_nonnegative_int
 from visattn.ops._layout import split_prefix, split_qkv
-from visattn.ops.local import AxisTiling, blocked_tiling, neighborhood_tiling
+from visattn.ops.local import AxisTiling
 from visattn.ops.longformer import check_local_options, longformer_attn
 
 
@@ -55,7 +57,7 @@ class LongformerAttention(GridAttention):
         self.tile_size = tile_size
         self.num_extra_global_tokens = num_extra_global_tokens
         if num_extra_global_tokens:
-            dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}  # as the projections
+            dd = self.factory_kwargs
             self.global_tokens = nn.Parameter(torch.empty(num_extra_global_tokens, dim, **dd))
             nn.init.trunc_normal_(self.global_tokens, std=0.02)
         else:
@@ -112,8 +114,5 @@ class LongformerAttention(GridAttention):
 
     @staticmethod
     def _tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:
-        if options["local"] == "neighborhood":
-            rows, cols = (neighborhood_tiling(n, options["kernel_size"], options["tile_size"]) for n in grid)
-        else:
-            rows, cols = (blocked_tiling(n, options["block_size"], options["halo"]) for n in grid)
-        return rows, cols
+        local = NeighborhoodAttention if options["local"] == "neighborhood" else SparseAttention
+        return local.window_tilings(grid, options)

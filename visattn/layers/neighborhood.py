@@ -5,13 +5,12 @@ from typing import Any
 
 import torch
 
-from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory, tiled_memory, windowed_flops
+from visattn.layers.local import LocalWindowAttention
 from visattn.ops._checks import check_positive_int
 from visattn.ops.local import AxisTiling, neighborhood_axis, neighborhood_tiling, tiled_local_attn
 
 
-class NeighborhoodAttention(GridAttention):
+class NeighborhoodAttention(LocalWindowAttention):
     """Patch tokens attend to their k x k neighbourhood (shifted inward at the borders, so always k^2
     keys); prefix tokens attend to all tokens. Per head the patches cost O(N (t + k - 1)^2 d) with tile
     side t (each query scores its tile's key region, N k^2 d of it useful), the prefix O(P N d).
@@ -49,16 +48,9 @@ class NeighborhoodAttention(GridAttention):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", kernel_size={self.kernel_size}, tile_size={self.tile_size}"
 
-    @classmethod
-    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
-        """``4 C (S_H S_W + P N)`` with ``S_L = L min(k, L)``: the k x k window of every patch."""
-        return windowed_flops(layout, num_heads * head_dim, *cls._tilings(layout.grid, options))
-
-    @classmethod
-    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
-        return tiled_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), 0, act_bytes)
-
     @staticmethod
-    def _tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:
+    def window_tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:
+        """The k x k window of every patch: ``S_L = L min(k, L)`` keys seen along an axis of length L, so
+        the patches cost ``4 C S_H S_W`` FLOPs."""
         rows, cols = (neighborhood_tiling(length, options["kernel_size"], options["tile_size"]) for length in grid)
         return rows, cols

@@ -5,13 +5,12 @@ from typing import Any
 
 import torch
 
-from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory, tiled_memory, windowed_flops
+from visattn.layers.local import LocalWindowAttention
 from visattn.ops._checks import check_nonnegative_int, check_positive_int
 from visattn.ops.local import AxisTiling, blocked_axis, blocked_tiling, tiled_local_attn
 
 
-class SparseAttention(GridAttention):
+class SparseAttention(LocalWindowAttention):
     """Patch tokens in b x b blocks attend to their block grown by ``halo`` cells on each side (cut at
     the grid border); prefix tokens attend to all tokens. O(N (b + 2 halo)^2 d) per head for the patches.
 
@@ -48,17 +47,9 @@ class SparseAttention(GridAttention):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", block_size={self.block_size}, halo={self.halo}"
 
-    @classmethod
-    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
-        """``4 C (S_H S_W + P N)`` with ``S_L = sum_i |block(i) + halo|``: each query's block plus halo,
-        cut at the border."""
-        return windowed_flops(layout, num_heads * head_dim, *cls._tilings(layout.grid, options))
-
-    @classmethod
-    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
-        return tiled_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), 0, act_bytes)
-
     @staticmethod
-    def _tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:
+    def window_tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:
+        """Each query's block plus halo, cut at the border: ``S_L = sum_i |block(i) + halo|`` keys seen
+        along an axis, so the patches cost ``4 C S_H S_W`` FLOPs."""
         rows, cols = (blocked_tiling(length, options["block_size"], options["halo"]) for length in grid)
         return rows, cols

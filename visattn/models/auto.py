@@ -30,11 +30,10 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_VERSION = 1
 
-# (from this many patch tokens on, use this type), ascending. The calibration of ViT-S/16 that
-# `visattn-bench --sizes 224 384 512 1024 2048 --train-sizes 224 384 512 1024 --calibrate` wrote on a
-# 2-core CPU (fp32, batch 1, training steps; the README's benchmark run): softmax was fastest at 196
-# tokens, linear at 576 and 1,024, linformer at 4,096 (by 3%); each switch sits at the geometric midpoint
-# of the two measured sizes.
+# (from this many patch tokens on, use this type), ascending: the calibration of ViT-S/16 that
+# `visattn-bench --sizes 224 384 512 1024 2048 --train-sizes 224 384 512 1024 --calibrate` writes on a
+# 2-core CPU (fp32, batch 1, training steps), the README's benchmark run; each switch sits at the geometric
+# midpoint of the two measured sizes around it.
 DEFAULT_THRESHOLDS: tuple[tuple[int, str], ...] = ((0, "softmax"), (336, "linear"), (2048, "linformer"))
 
 # The types auto chooses among: every attention of the registry; "floor" mixes no tokens.

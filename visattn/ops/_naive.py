@@ -24,3 +24,24 @@ def naive_masked_attn(
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, heads, N, M)
     scores = scores.masked_fill(~allowed, float("-inf"))
     return scores.softmax(dim=-1) @ v
+
+
+def separable_grid_mask(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The (H*W, H*W) mask, row-major tokens, of a window that is a product of one window per axis:
+    query (r, c) may see key (r', c') when ``rows[r, r']`` and ``cols[c, c']``.
+
+    Args:
+        rows: bool (H, H); cols: bool (W, W).
+    """
+    H, W = rows.shape[0], cols.shape[0]
+    return (rows[:, None, :, None] & cols[None, :, None, :]).reshape(H * W, H * W)
+
+
+def naive_grid_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """:func:`naive_masked_attn` on grid-shaped tensors: q, k, v (B, heads, H, W, d), ``allowed`` bool
+    (H*W, H*W) over row-major tokens -> (B, heads, H, W, d_v)."""
+    B, heads, H, W, _ = q.shape
+    flat = [t.reshape(B, heads, H * W, t.shape[-1]) for t in (q, k, v)]
+    return naive_masked_attn(*flat, allowed, scale).reshape(B, heads, H, W, -1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from visattn.ops._checks import check_positive_int, check_qkv_grid
-from visattn.ops._naive import naive_masked_attn
+from visattn.ops._naive import naive_grid_attn, separable_grid_mask
 from visattn.ops.local import local_attn_on_grid, neighborhood_axis
 
 
@@ -57,15 +57,12 @@ def neighborhood_mask(grid: tuple[int, int], kernel_size: int, device: torch.dev
         start = (pos - k // 2).clamp(0, length - k)
         return (start[:, None] <= pos[None, :]) & (pos[None, :] < start[:, None] + k)
 
-    rows, cols = axis(H), axis(W)
-    return (rows[:, None, :, None] & cols[None, :, None, :]).reshape(H * W, H * W)
+    return separable_grid_mask(axis(H), axis(W))
 
 
 def naive_neighborhood_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int, scale: float | None = None
 ) -> torch.Tensor:
     """Naive twin of :func:`neighborhood_attn`: explicit N x N scores with the window mask."""
-    B, heads, H, W, _ = q.shape
-    flat = [t.reshape(B, heads, H * W, t.shape[-1]) for t in (q, k, v)]
-    out = naive_masked_attn(*flat, neighborhood_mask((H, W), kernel_size, q.device), scale)
-    return out.reshape(B, heads, H, W, -1)
+    H, W = q.shape[2:4]
+    return naive_grid_attn(q, k, v, neighborhood_mask((H, W), kernel_size, q.device), scale)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from visattn.ops._checks import check_nonnegative_int, check_positive_int, check_qkv_grid
-from visattn.ops._naive import naive_masked_attn
+from visattn.ops._naive import naive_grid_attn, separable_grid_mask
 from visattn.ops.local import blocked_axis, local_attn_on_grid
 
 
@@ -57,15 +57,12 @@ def sparse_mask(
         block_start = pos // block_size * block_size
         return (block_start[:, None] - halo <= pos[None, :]) & (pos[None, :] < block_start[:, None] + block_size + halo)
 
-    rows, cols = axis(H), axis(W)
-    return (rows[:, None, :, None] & cols[None, :, None, :]).reshape(H * W, H * W)
+    return separable_grid_mask(axis(H), axis(W))
 
 
 def naive_sparse_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, halo: int, scale: float | None = None
 ) -> torch.Tensor:
     """Naive twin of :func:`sparse_attn`: explicit N x N scores with the block-plus-halo mask."""
-    B, heads, H, W, _ = q.shape
-    flat = [t.reshape(B, heads, H * W, t.shape[-1]) for t in (q, k, v)]
-    out = naive_masked_attn(*flat, sparse_mask((H, W), block_size, halo, q.device), scale)
-    return out.reshape(B, heads, H, W, -1)
+    H, W = q.shape[2:4]
+    return naive_grid_attn(q, k, v, sparse_mask((H, W), block_size, halo, q.device), scale)

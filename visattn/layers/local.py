@@ -1,0 +1,30 @@
+"""What the layers run by the tiled local engine share: cost formulas from their windows per axis."""
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+from visattn.layers.base import GridAttention
+from visattn.layers.cost import MixingMemory, TokenLayout, tiled_memory, windowed_flops
+from visattn.ops.local import AxisTiling
+
+
+class LocalWindowAttention(GridAttention):
+    """A type whose patches attend within a window that is a product of one window per grid axis
+    (:func:`visattn.ops.local.tiled_local_attn`); prefix tokens attend to all tokens."""
+
+    @staticmethod
+    @abstractmethod
+    def window_tilings(grid: tuple[int, int], options: Mapping[str, Any]) -> tuple[AxisTiling, AxisTiling]:
+        """The tiling of the rows and of the columns of ``grid`` with the type ``options``."""
+
+    @classmethod
+    def mixing_flops(cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any]) -> int:
+        return windowed_flops(layout, num_heads * head_dim, *cls.window_tilings(layout.grid, options))
+
+    @classmethod
+    def mixing_memory(
+        cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any], act_bytes: int
+    ) -> MixingMemory:
+        return tiled_memory(layout, num_heads, head_dim, *cls.window_tilings(layout.grid, options), 0, act_bytes)
