@@ -376,7 +376,7 @@ def test_resume_or_overwrite_into_a_running_run_is_refused_and_the_run_finishes_
 
 def test_two_runs_started_into_one_directory_one_is_refused(tmp_path):
     run_dir = tmp_path / "run"
-    runs = [subprocess.Popen([sys.executable, str(TRAIN), *TINY, "--epochs", "1", "--run-dir", str(run_dir)],
+    runs = [subprocess.Popen([sys.executable, str(TRAIN), *TINY, "--epochs", "1", "--max-train-samples", "32", "--run-dir", str(run_dir)],
                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(2)]
     results = [(*run.communicate(timeout=300),) for run in runs]
