@@ -12,6 +12,7 @@ override. The run directory gets the effective config, checkpoints (each epoch a
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,8 @@ from visattn.train.data import DataError
 from visattn.train.loop import Training, finish_epoch, new_trainer_state, summarize, train_epoch, write_run_files
 
 
-def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any]:
+def training_function(config: TrainConfig, options: RunOptions, held: contextlib.ExitStack) -> dict[str, Any]:
+    """Build, check, train; ``held`` keeps the run directory's lock until the caller closes it."""
     started = time.perf_counter()
     run_dir = Path(config.run_dir)
     accelerator = build_accelerator(config, run_dir)
@@ -49,8 +51,14 @@ def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any
     model_kwargs = config.model_kwargs_for_timm(splits.num_classes)
     train_loader, eval_loader = build_loaders(config, splits, accelerator.num_processes)
     optimizer = build_optimizer(config, model)
-    resume_from = ckpt.check_run_dir(run_dir, options.resume, options.overwrite)
+    ckpt.check_run_dir(run_dir, options.resume, options.overwrite)
+    if main:  # one run writes into a run directory at a time; a second one stops here
+        held.enter_context(ckpt.RunLock(run_dir))
+        ckpt.check_run_dir(run_dir, options.resume, options.overwrite)  # again: a run may have ended just before
     accelerator.wait_for_everyone()  # every process has checked the run directory before it changes
+    resume_from = None
+    if options.resume:  # the newest checkpoint that verifies (or the one asked for), checked under the lock
+        resume_from, saved_state = ckpt.choose_checkpoint(run_dir, options.resume_from, accelerator.print)
     if main and resume_from is None:
         ckpt.start_run_dir(run_dir, options.overwrite)
         write_run_files(run_dir, config, model_kwargs)
@@ -66,7 +74,7 @@ def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any
         train_loader=train_loader, eval_loader=eval_loader, state=new_trainer_state(accelerator.num_processes),
     )
     if resume_from is not None:
-        run.state = ckpt.load_checkpoint(accelerator, resume_from)
+        run.state = ckpt.load_checkpoint(accelerator, resume_from, saved_state)
         state = run.state
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch'] + 1}, batch {state['batch']}, update {state['update']})")
         if main:  # only now that the checkpoint has loaded into this config's model
@@ -100,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         config, options, changes = resolve_config(argv)
         if changes and process_state().is_main_process:
             print(f"resuming {config.run_dir} with changed settings: {'; '.join(changes)}")
-        training_function(config, options)
+        with contextlib.ExitStack() as held:
+            training_function(config, options, held)
     except (ConfigError, DataError, ckpt.RunDirError) as error:
         # Every process reports: a launcher stops the others as soon as one exits, main process included.
         state = process_state()

@@ -5,6 +5,10 @@ What this reads from a run directory (the training side writes them; see :mod:`v
     model.json                timm.create_model name and keywords of the trained model
     model_best.safetensors    weights of the epoch with the best evaluation accuracy
     model_last.safetensors    weights after the last finished epoch
+
+Both are read without unpickling: model.json with ``json``, the weights with safetensors (through
+timm's ``load_pretrained``, which picks safetensors by the file name); a file that is not what its
+name says is a ValueError naming it.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Any
 
 import timm
 import torch.nn as nn
+from safetensors import SafetensorError, safe_open
 
 MODEL_FILE = "model.json"
 BEST_WEIGHTS = "model_best.safetensors"
@@ -33,7 +38,17 @@ def load_trained_model(run_dir: str | Path, which: str = "best", **overrides: An
     weights = run_dir / (BEST_WEIGHTS if which == "best" else LAST_WEIGHTS)
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} does not exist; is {run_dir} a finished (or checkpointed) visattn run?")
-    info = json.loads((run_dir / MODEL_FILE).read_text())
-    kwargs = {**info["kwargs"], **overrides}
-    overlay = dict(file=str(weights), num_classes=kwargs["num_classes"])
-    return timm.create_model(info["model"], pretrained=True, pretrained_cfg_overlay=overlay, **kwargs).eval()
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            handle.keys()
+    except SafetensorError as error:
+        raise ValueError(f"{weights}: not a readable safetensors file ({error})") from None
+    model_file = run_dir / MODEL_FILE
+    try:
+        info = json.loads(model_file.read_text())
+        kwargs = {**info["kwargs"], **overrides}
+        name, num_classes = info["model"], kwargs["num_classes"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{model_file}: not the JSON train.py writes ({type(error).__name__}: {error})") from None
+    overlay = dict(file=str(weights), num_classes=num_classes)
+    return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs).eval()

@@ -28,6 +28,7 @@ class RunOptions:
 
     config_file: str | None = None
     resume: bool = False
+    resume_from: str | None = None
     overwrite: bool = False
     download: bool = False
 
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("run")
     run.add_argument("--config", dest="config_file", metavar="FILE", help="YAML recipe (configs/*.yaml); flags override it")
     run.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    run.add_argument("--resume-from", metavar="CHECKPOINT",
+                     help="like --resume, from this checkpoint of --run-dir (a path or a name such as step_00000008)")
     run.add_argument("--overwrite", action="store_true", help="replace the previous run in --run-dir")
     run.add_argument("--download", action="store_true", help="download the dataset if it is not in --data-dir")
     recipe = parser.add_argument_group("recipe (every key of TrainConfig)")
@@ -84,14 +87,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], dict[str,
     rather than over the defaults.
     """
     namespace = vars(build_parser().parse_args(argv))
+    resume_from = namespace.pop("resume_from", None)
     options = RunOptions(
         config_file=namespace.pop("config_file", None),
-        resume=namespace.pop("resume", False),
+        resume=namespace.pop("resume", False) or resume_from is not None,
+        resume_from=resume_from,
         overwrite=namespace.pop("overwrite", False),
         download=namespace.pop("download", False),
     )
     if options.resume and options.overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other: continue the run, or replace it")
+        resume = "--resume-from" if options.resume_from is not None else "--resume"
+        raise ConfigError(f"{resume} and --overwrite exclude each other: continue the run, or replace it")
     from_file = read_yaml(options.config_file) if options.config_file else {}
     from_flags = check_keys({key: _parse_flag(key, raw) for key, raw in namespace.items()})
     return from_file, from_flags, options

@@ -301,10 +301,16 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a YAML text file (not UTF-8)") from None
     try:
         values = load_yaml(text)
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+        # one line: the problem and where, not the multi-line excerpt
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
     if values is None:
         return {}
     if not isinstance(values, dict):
