@@ -53,7 +53,7 @@ def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any
     accelerator.wait_for_everyone()  # every process has checked the run directory before it changes
     if main and resume_from is None:
         ckpt.start_run_dir(run_dir, options.overwrite)
-        write_run_files(run_dir, config, model_kwargs)
+        write_run_files(run_dir, config, model_kwargs, splits)
     accelerator.wait_for_everyone()
 
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
@@ -70,7 +70,7 @@ def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any
         state = run.state
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch'] + 1}, batch {state['batch']}, update {state['update']})")
         if main:  # only now that the checkpoint has loaded into this config's model
-            write_run_files(run_dir, config, model_kwargs)
+            write_run_files(run_dir, config, model_kwargs, splits)
     scheduler.step_update(run.state["update"])
     if main:
         run_log.write_metrics(run_dir, run.state["history"])  # a resumed run redoes what came after its checkpoint
