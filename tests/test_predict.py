@@ -239,12 +239,21 @@ def _break(run_dir: Path, how: str) -> str:
     if how == "model.json without kwargs":
         (run_dir / "model.json").write_text(json.dumps({"model": "visattn_vit_tiny_patch16"}))
         return "lacks 'kwargs'"
+    if how == "weights cut short":
+        weights = run_dir / "model_best.safetensors"
+        weights.write_bytes(weights.read_bytes()[:500])
+        return "model_best.safetensors: Error while deserializing header"
+    if how == "weights of another model":
+        info = read_model_file(run_dir)
+        info["kwargs"]["embed_dim"] = 32
+        (run_dir / "model.json").write_text(json.dumps(info))
+        return "size mismatch for"
     (run_dir / "model_best.safetensors").unlink()
     return "model_best.safetensors does not exist"
 
 
 @pytest.mark.parametrize("how", ["no directory", "no model.json", "model.json not JSON", "model.json without kwargs",
-                                 "no weights"])
+                                 "no weights", "weights cut short", "weights of another model"])
 def test_a_bad_run_directory_is_one_line_naming_what_is_missing(how, tiny_run, digit_files, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(tiny_run, run_dir)

@@ -23,6 +23,7 @@ from typing import Any
 
 import timm
 import torch.nn as nn
+from safetensors import SafetensorError
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 MODEL_FILE = "model.json"
@@ -102,7 +103,8 @@ def load_trained_model(run_dir: str | Path, which: str = "best", **overrides: An
 
     Equivalent to ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=...,
     num_classes=..., label_names=..., **data_config), **kwargs)`` with what ``run_dir/model.json`` records;
-    ``overrides`` replace recorded keywords (e.g. ``drop_path_rate=0.0``).
+    ``overrides`` replace recorded keywords (e.g. ``drop_path_rate=0.0``). FileNotFoundError or ValueError,
+    naming the file, for a directory that is not a finished run or a model it cannot build.
     """
     info = read_model_file(run_dir)
     weights = weights_file(run_dir, which)
@@ -111,4 +113,10 @@ def load_trained_model(run_dir: str | Path, which: str = "best", **overrides: An
         file=str(weights), num_classes=info["kwargs"]["num_classes"], label_names=recorded_class_names(info),
         **recorded_data_config(info),
     )
-    return timm.create_model(info["model"], pretrained=True, pretrained_cfg_overlay=overlay, **kwargs).eval()
+    try:
+        model = timm.create_model(info["model"], pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+    except (SafetensorError, RuntimeError, TypeError) as error:  # unknown model or keyword, unreadable or mismatched weights
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = " ".join(lines[:2] if lines[0].endswith(":") else lines[:1])  # torch's "Error(s) in loading ...:" + the first
+        raise ValueError(f"cannot build {info['model']!r} of {Path(run_dir) / MODEL_FILE} with {weights}: {reason}") from error
+    return model.eval()
