@@ -84,6 +84,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"device {device!r} is not a torch device; this machine has {', '.join(available)}") from None
     if chosen.type not in available:
         raise ValueError(f"device {device!r} is not available here; this machine has {', '.join(available)}")
+    if chosen.type != "cpu" and chosen.index is not None and chosen.index >= torch.accelerator.device_count():
+        raise ValueError(f"device {device!r} is not available here; this machine has {torch.accelerator.device_count()} "
+                         f"{chosen.type} device(s), {chosen.type}:0 to {chosen.type}:{torch.accelerator.device_count() - 1}")
     return chosen
 
 
