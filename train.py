@@ -61,7 +61,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         resume_from, saved_state = ckpt.choose_checkpoint(run_dir, options.resume_from, accelerator.print)
     if main and resume_from is None:
         ckpt.start_run_dir(run_dir, options.overwrite)
-        write_run_files(run_dir, config, model_kwargs)
+        write_run_files(run_dir, config, model_kwargs, splits)
     accelerator.wait_for_everyone()
 
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
@@ -78,7 +78,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         state = run.state
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch'] + 1}, batch {state['batch']}, update {state['update']})")
         if main:  # only now that the checkpoint has loaded into this config's model
-            write_run_files(run_dir, config, model_kwargs)
+            write_run_files(run_dir, config, model_kwargs, splits)
     scheduler.step_update(run.state["update"])
     if main:
         run_log.write_metrics(run_dir, run.state["history"])  # a resumed run redoes what came after its checkpoint

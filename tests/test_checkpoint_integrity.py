@@ -294,7 +294,7 @@ def test_load_trained_model_and_config_reading_refuse_hostile_files(trained, tmp
         load_trained_model(run_dir, "best")
     assert "\n" not in str(caught.value)
     write_hostile(run_dir / "model.json", marker)
-    with pytest.raises(ValueError, match="model.json: not the JSON train.py writes") as caught:
+    with pytest.raises(ValueError, match="model.json is not valid JSON") as caught:
         load_trained_model(run_dir, "last")
     assert "\n" not in str(caught.value)
 

@@ -3,7 +3,7 @@
 A run directory holds (:mod:`visattn.predict` loads the trained model back from it)::
 
     config.yaml               the effective TrainConfig
-    model.json                timm.create_model name and keywords of the trained model
+    model.json                timm.create_model name and keywords, data config and class names of the model
     run.lock                  PID and host of the run writing here (empty once it has ended)
     checkpoints/step_<N>/     accelerate save_state after N optimizer updates + trainer_state.json
     metrics.jsonl, metrics.png, summary.json
@@ -45,7 +45,7 @@ import pickle
 import re
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -562,6 +562,11 @@ def save_weights(accelerator: Accelerator, model: nn.Module, path: Path) -> None
             raise RunDirError(f"cannot write {path}: {reason}") from None
 
 
-def write_model_file(run_dir: Path, model_name: str, model_kwargs: dict[str, Any]) -> None:
-    """``model.json``: what :func:`visattn.predict.load_trained_model` rebuilds the model from."""
-    write_atomically(run_dir / MODEL_FILE, json.dumps({"model": model_name, "kwargs": model_kwargs}, indent=1))
+def write_model_file(
+    run_dir: Path, model_name: str, model_kwargs: dict[str, Any], data_config: dict[str, Any], class_names: Sequence[str]
+) -> None:
+    """``model.json``: what :func:`visattn.predict.load_predictor` rebuilds the model from, with the evaluation
+    data config (timm's vocabulary: input_size, interpolation, mean, std, crop_pct, crop_mode) and the class names."""
+    contents = {"model": model_name, "kwargs": model_kwargs, "data_config": data_config, "class_names": list(class_names)}
+    write_atomically(run_dir / MODEL_FILE, json.dumps(contents, indent=1))
+

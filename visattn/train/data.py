@@ -13,6 +13,7 @@ workers, the batch a sample lands in, or whether the run was resumed midway thro
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,13 +54,26 @@ class DataError(Exception):
 
 @dataclass(frozen=True)
 class DataSplits:
-    """Train and evaluation images as (PIL RGB image, class index) pairs, before any transform."""
+    """Train and evaluation images as (PIL RGB image, class index) pairs, before any transform.
+
+    ``class_names``: one name per class index, or empty where the dataset names none (the index is then
+    the name).
+    """
 
     train: Dataset
     eval: Dataset
     num_classes: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    class_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.class_names and len(self.class_names) != self.num_classes:
+            raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+
+    def named_classes(self) -> tuple[str, ...]:
+        """``class_names``, or the class indices as text where the dataset names none."""
+        return self.class_names or tuple(str(index) for index in range(self.num_classes))
 
 
 class DigitsDataset(Dataset):
@@ -86,7 +100,7 @@ def load_digits_splits(eval_fraction: float) -> DataSplits:
     std = float(x_train.std() / 16.0)
     return DataSplits(
         train=DigitsDataset(x_train, y_train), eval=DigitsDataset(x_eval, y_eval),
-        num_classes=10, mean=(mean,) * 3, std=(std,) * 3,
+        num_classes=10, mean=(mean,) * 3, std=(std,) * 3, class_names=tuple(str(digit) for digit in range(10)),
     )
 
 
@@ -109,7 +123,10 @@ def load_cifar_splits(name: str, data_dir: str | None, download: bool) -> DataSp
         ) from None
     except OSError as error:
         raise DataError(f"downloading {spec['label']} into {root} failed: {error}") from None
-    return DataSplits(train=train, eval=evaluation, num_classes=spec["num_classes"], mean=spec["mean"], std=spec["std"])
+    return DataSplits(
+        train=train, eval=evaluation, num_classes=spec["num_classes"], mean=spec["mean"], std=spec["std"],
+        class_names=tuple(train.classes),
+    )
 
 
 def load_imagefolder_splits(data_dir: str, eval_fraction: float) -> DataSplits:
@@ -128,7 +145,7 @@ def load_imagefolder_splits(data_dir: str, eval_fraction: float) -> DataSplits:
             train, evaluation = ImageFolder(str(root / "train")), ImageFolder(str(eval_dirs[0]))
             if train.classes != evaluation.classes:
                 raise DataError(f"{root / 'train'} and {eval_dirs[0]} do not have the same class folders.")
-            num_classes = len(train.classes)
+            class_names = train.classes
         else:
             full = ImageFolder(str(root))
             indices = np.arange(len(full))
@@ -137,11 +154,12 @@ def load_imagefolder_splits(data_dir: str, eval_fraction: float) -> DataSplits:
                 indices, test_size=eval_fraction, stratify=stratify, random_state=SPLIT_SEED
             )
             train, evaluation = Subset(full, train_idx.tolist()), Subset(full, eval_idx.tolist())
-            num_classes = len(full.classes)
+            class_names = full.classes
     except (FileNotFoundError, ValueError) as error:  # ImageFolder: no class folders / no images
         raise DataError(f"cannot read image folder {root}: {error}") from None
     return DataSplits(
-        train=train, eval=evaluation, num_classes=num_classes, mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD
+        train=train, eval=evaluation, num_classes=len(class_names), mean=IMAGENET_DEFAULT_MEAN,
+        std=IMAGENET_DEFAULT_STD, class_names=tuple(class_names),
     )
 
 
@@ -153,10 +171,10 @@ def load_splits(config: TrainConfig, download: bool = False) -> DataSplits:
         splits = load_cifar_splits(config.dataset, config.data_dir, download)
     else:
         splits = load_imagefolder_splits(config.data_dir, config.eval_fraction)
-    return DataSplits(
+    return dataclasses.replace(
+        splits,
         train=_fixed_subset(splits.train, config.max_train_samples),
         eval=_fixed_subset(splits.eval, config.max_eval_samples),
-        num_classes=splits.num_classes, mean=splits.mean, std=splits.std,
     )
 
 
@@ -167,11 +185,22 @@ def _fixed_subset(dataset: Dataset, size: int | None) -> Dataset:
     return Subset(dataset, sorted(order[:size].tolist()))
 
 
+def eval_data_config(config: TrainConfig, splits: DataSplits) -> dict[str, Any]:
+    """The evaluation transform in timm's data-config vocabulary (what ``timm.data.resolve_data_config``
+    returns and ``create_transform`` takes): resize the shorter side to the image size, centre crop,
+    normalize. model.json records it, so that prediction sees images as evaluation did."""
+    return dict(
+        input_size=(3, *config.image_hw), interpolation="bicubic", mean=tuple(splits.mean), std=tuple(splits.std),
+        crop_pct=1.0, crop_mode="center",
+    )
+
+
 def build_transform(config: TrainConfig, splits: DataSplits, training: bool) -> Callable[[Image.Image], torch.Tensor]:
     """timm's transform: random-resized crop, flip, RandAugment, erasing for training; resize for eval."""
-    common = dict(input_size=(3, *config.image_hw), interpolation="bicubic", mean=splits.mean, std=splits.std)
+    data_config = eval_data_config(config, splits)
     if not (training and config.augment):
-        return create_transform(is_training=False, crop_pct=1.0, **common)
+        return create_transform(is_training=False, **data_config)
+    common = {key: data_config[key] for key in ("input_size", "interpolation", "mean", "std")}
     return create_transform(
         is_training=True,
         scale=tuple(config.crop_scale),

@@ -20,12 +20,13 @@ from visattn.predict import BEST_WEIGHTS, LAST_WEIGHTS
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
 from visattn.train.config import TrainConfig, config_yaml
+from visattn.train.data import DataSplits, eval_data_config
 
 
-def write_run_files(run_dir: Path, config: TrainConfig, model_kwargs: dict[str, Any]) -> None:
-    """The effective config (what --resume reads) and model.json (what load_trained_model reads)."""
+def write_run_files(run_dir: Path, config: TrainConfig, model_kwargs: dict[str, Any], splits: DataSplits) -> None:
+    """The effective config (what --resume reads) and model.json (what visattn.predict reads)."""
     ckpt.write_atomically(run_dir / ckpt.CONFIG_FILE, config_yaml(config))
-    ckpt.write_model_file(run_dir, config.model, model_kwargs)
+    ckpt.write_model_file(run_dir, config.model, model_kwargs, eval_data_config(config, splits), splits.named_classes())
 
 
 def new_trainer_state(num_processes: int) -> dict[str, Any]:
