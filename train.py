@@ -29,7 +29,8 @@ from visattn.train.build import (
 from visattn.train.cli import RunOptions, resolve_config
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import DataError
-from visattn.train.loop import Training, finish_epoch, new_trainer_state, summarize, train_epoch, write_run_files
+from visattn.train.initial import load_initial_weights, read_initial_weights
+from visattn.train.loop import Training, evaluate, finish_epoch, new_trainer_state, summarize, train_epoch, write_run_files
 
 
 def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any]:
@@ -37,6 +38,8 @@ def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any
     run_dir = Path(config.run_dir)
     accelerator = build_accelerator(config, run_dir)
     main = accelerator.is_main_process
+    # A resumed run takes its weights from its checkpoint; a new one reads its first weights before the rest.
+    initial = None if options.resume else read_initial_weights(config)
 
     # Build and check everything before the run directory is touched.
     splits = load_data(accelerator, config, options.download)
@@ -50,6 +53,9 @@ def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any
     train_loader, eval_loader = build_loaders(config, splits, accelerator.num_processes)
     optimizer = build_optimizer(config, model)
     resume_from = ckpt.check_run_dir(run_dir, options.resume, options.overwrite)
+    if initial is not None:
+        for line in load_initial_weights(model, initial):
+            accelerator.print(line)
     accelerator.wait_for_everyone()  # every process has checked the run directory before it changes
     if main and resume_from is None:
         ckpt.start_run_dir(run_dir, options.overwrite)
@@ -57,6 +63,13 @@ def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any
     accelerator.wait_for_everyone()
 
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    initial_eval = None
+    if initial is not None:
+        initial_eval = evaluate(accelerator, model, eval_loader)  # what the converted weights do before training
+        accelerator.print(
+            f"initial weights, before any update: eval loss {initial_eval['eval_loss']:.4f}, "
+            f"eval acc {100 * initial_eval['eval_acc']:.2f}%"
+        )
     scheduler = build_scheduler(config, optimizer, len(train_loader))
     mixup = build_mixup(config, splits.num_classes)
     set_seed(config.seed + accelerator.process_index)  # dropout, drop path and mixup differ per process
@@ -65,6 +78,8 @@ def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any
         scheduler=scheduler, criterion=build_criterion(config, mixup), mixup=mixup,
         train_loader=train_loader, eval_loader=eval_loader, state=new_trainer_state(accelerator.num_processes),
     )
+    if initial_eval is not None:
+        run.state["initial_eval_acc"] = initial_eval["eval_acc"]
     if resume_from is not None:
         run.state = ckpt.load_checkpoint(accelerator, resume_from)
         state = run.state
@@ -84,6 +99,8 @@ def training_function(config: TrainConfig, options: RunOptions) -> dict[str, Any
         finish_epoch(run, epoch, loss_sum, images, train_time)
 
     summary = summarize(run, time.perf_counter() - started)
+    if "initial_eval_acc" in run.state:
+        summary["initial_acc"] = run.state["initial_eval_acc"]
     if main:
         run_log.write_summary(run_dir, summary)
         run_log.plot_metrics(run_dir, run.state["history"])

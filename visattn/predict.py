@@ -12,8 +12,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch.nn as nn
+from safetensors.torch import load_file
+from timm.models.vision_transformer import checkpoint_filter_fn
+
+from visattn.models import create_model
 
 MODEL_FILE = "model.json"
 BEST_WEIGHTS = "model_best.safetensors"
@@ -23,9 +26,9 @@ LAST_WEIGHTS = "model_last.safetensors"
 def load_trained_model(run_dir: str | Path, which: str = "best", **overrides: Any) -> nn.Module:
     """The model trained in ``run_dir`` with its ``which`` ("best" or "last") weights, in eval mode.
 
-    Equivalent to ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=...,
-    num_classes=...), **kwargs)`` with the name and keywords recorded in ``run_dir/model.json``;
-    ``overrides`` replace recorded keywords (e.g. ``drop_path_rate=0.0``).
+    The model is :func:`visattn.models.create_model` of the name and keywords recorded in
+    ``run_dir/model.json`` (a ``visattn_vit_*`` model, or a timm ViT converted), the weights loaded
+    strictly through timm's ``checkpoint_filter_fn``; ``overrides`` replace recorded keywords (e.g. ``drop_path_rate=0.0``).
     """
     if which not in ("best", "last"):
         raise ValueError(f"which must be 'best' or 'last', got {which!r}")
@@ -35,5 +38,7 @@ def load_trained_model(run_dir: str | Path, which: str = "best", **overrides: An
         raise FileNotFoundError(f"{weights} does not exist; is {run_dir} a finished (or checkpointed) visattn run?")
     info = json.loads((run_dir / MODEL_FILE).read_text())
     kwargs = {**info["kwargs"], **overrides}
-    overlay = dict(file=str(weights), num_classes=kwargs["num_classes"])
-    return timm.create_model(info["model"], pretrained=True, pretrained_cfg_overlay=overlay, **kwargs).eval()
+    model = create_model(info["model"], **kwargs)
+    # timm's filter resamples the position embeddings when the overrides change the image size
+    model.load_state_dict(checkpoint_filter_fn(load_file(str(weights)), model))
+    return model.eval()
