@@ -30,7 +30,8 @@ from visattn.train.build import (
 from visattn.train.cli import RunOptions, resolve_config
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import DataError
-from visattn.train.loop import Training, finish_epoch, new_trainer_state, summarize, train_epoch, write_run_files
+from visattn.train.initial import load_initial_weights, read_initial_weights
+from visattn.train.loop import Training, evaluate, finish_epoch, new_trainer_state, summarize, train_epoch, write_run_files
 
 
 def training_function(config: TrainConfig, options: RunOptions, held: contextlib.ExitStack) -> dict[str, Any]:
@@ -39,6 +40,8 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     run_dir = Path(config.run_dir)
     accelerator = build_accelerator(config, run_dir)
     main = accelerator.is_main_process
+    # A resumed run takes its weights from its checkpoint; a new one reads its first weights before the rest.
+    initial = None if options.resume else read_initial_weights(config)
 
     # Build and check everything before the run directory is touched.
     splits = load_data(accelerator, config, options.download)
@@ -55,6 +58,9 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     if main:  # one run writes into a run directory at a time; a second one stops here
         held.enter_context(ckpt.RunLock(run_dir))
         ckpt.check_run_dir(run_dir, options.resume, options.overwrite)  # again: a run may have ended just before
+    if initial is not None:
+        for line in load_initial_weights(model, initial):
+            accelerator.print(line)
     accelerator.wait_for_everyone()  # every process has checked the run directory before it changes
     resume_from = None
     if options.resume:  # the newest checkpoint that verifies (or the one asked for), checked under the lock
@@ -65,6 +71,13 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     accelerator.wait_for_everyone()
 
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    initial_eval = None
+    if initial is not None:
+        initial_eval = evaluate(accelerator, model, eval_loader)  # what the converted weights do before training
+        accelerator.print(
+            f"initial weights, before any update: eval loss {initial_eval['eval_loss']:.4f}, "
+            f"eval acc {100 * initial_eval['eval_acc']:.2f}%"
+        )
     scheduler = build_scheduler(config, optimizer, len(train_loader))
     mixup = build_mixup(config, splits.num_classes)
     set_seed(config.seed + accelerator.process_index)  # dropout, drop path and mixup differ per process
@@ -73,6 +86,8 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         scheduler=scheduler, criterion=build_criterion(config, mixup), mixup=mixup,
         train_loader=train_loader, eval_loader=eval_loader, state=new_trainer_state(accelerator.num_processes),
     )
+    if initial_eval is not None:
+        run.state["initial_eval_acc"] = initial_eval["eval_acc"]
     if resume_from is not None:
         run.state = ckpt.load_checkpoint(accelerator, resume_from, saved_state)
         state = run.state
@@ -92,6 +107,8 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         finish_epoch(run, epoch, loss_sum, images, train_time)
 
     summary = summarize(run, time.perf_counter() - started)
+    if "initial_eval_acc" in run.state:
+        summary["initial_acc"] = run.state["initial_eval_acc"]
     if main:
         run_log.write_summary(run_dir, summary)
         run_log.plot_metrics(run_dir, run.state["history"])

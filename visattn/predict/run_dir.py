@@ -21,10 +21,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models.vision_transformer import checkpoint_filter_fn
+
+from visattn.models import create_model
 
 MODEL_FILE = "model.json"
 BEST_WEIGHTS = "model_best.safetensors"
@@ -106,22 +109,24 @@ def recorded_class_names(info: dict[str, Any]) -> tuple[str, ...]:
 def load_trained_model(run_dir: str | Path, which: str = "best", **overrides: Any) -> nn.Module:
     """The model trained in ``run_dir`` with its ``which`` ("best" or "last") weights, in eval mode.
 
-    Equivalent to ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=...,
-    num_classes=..., label_names=..., **data_config), **kwargs)`` with what ``run_dir/model.json`` records;
+    The model is :func:`visattn.models.create_model` of the name and keywords ``run_dir/model.json``
+    records (a ``visattn_vit_*`` model, or a timm ViT converted), its weights loaded strictly through timm's
+    ``checkpoint_filter_fn`` (which resamples the position embeddings when ``overrides`` change the image
+    size), and the recorded data config and class names (``label_names``) put into its ``pretrained_cfg``.
     ``overrides`` replace recorded keywords (e.g. ``drop_path_rate=0.0``). FileNotFoundError or ValueError,
     naming the file, for a directory that is not a finished run or a model it cannot build.
     """
     info = read_model_file(run_dir)
     weights = weights_file(run_dir, which)
-    kwargs = {**info["kwargs"], **overrides}
-    overlay = dict(
-        file=str(weights), num_classes=info["kwargs"]["num_classes"], label_names=recorded_class_names(info),
-        **recorded_data_config(info),
-    )
     try:
-        model = timm.create_model(info["model"], pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
-    except (SafetensorError, RuntimeError, TypeError) as error:  # unknown model or keyword, unreadable or mismatched weights
+        model = create_model(info["model"], **{**info["kwargs"], **overrides})
+        model.load_state_dict(checkpoint_filter_fn(load_file(str(weights)), model))
+    except (SafetensorError, RuntimeError, TypeError, ValueError) as error:  # unknown model or keyword, mismatched weights
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         reason = " ".join(lines[:2] if lines[0].endswith(":") else lines[:1])  # torch's "Error(s) in loading ...:" + the first
         raise ValueError(f"cannot build {info['model']!r} of {Path(run_dir) / MODEL_FILE} with {weights}: {reason}") from error
+    model.pretrained_cfg = {
+        **model.pretrained_cfg, "num_classes": info["kwargs"]["num_classes"],
+        "label_names": recorded_class_names(info), **recorded_data_config(info),
+    }
     return model.eval()

@@ -7,7 +7,6 @@ import math
 import os
 from pathlib import Path
 
-import timm
 import torch
 import torch.nn as nn
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
@@ -18,6 +17,7 @@ from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 from torch.utils.data import DataLoader
 
+from visattn.models import create_model
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import DataError, DataSplits, TransformedDataset, build_transform, load_splits
 
@@ -62,8 +62,10 @@ def load_data(accelerator: Accelerator, config: TrainConfig, download: bool) -> 
 
 
 def build_model(config: TrainConfig, num_classes: int) -> nn.Module:
+    """The model with freshly initialised weights (a timm ViT name is built by timm and converted);
+    :func:`visattn.train.initial.load_initial_weights` then loads the run's first weights, if any."""
     try:
-        return timm.create_model(config.model, **config.model_kwargs_for_timm(num_classes))
+        return create_model(config.model, **config.model_kwargs_for_timm(num_classes))
     except (ValueError, TypeError) as error:
         raise ConfigError(f"model {config.model!r} cannot be built from this config: {error}") from None
 

@@ -57,7 +57,10 @@ class TrainConfig:
     max_eval_samples: int | None = field(default=None, metadata=_help("evaluate on a fixed random subset of this size"))
     num_workers: int = field(default=0, metadata=_help("DataLoader worker processes"))
     # model
-    model: str = field(default="visattn_vit_tiny_patch16", metadata=_help("timm model name"))
+    model: str = field(
+        default="visattn_vit_tiny_patch16",
+        metadata=_help("visattn_vit_* or any timm VisionTransformer name (vit_*, deit_*), converted to --attn"),
+    )
     attn: str | list[str] = field(
         default="softmax", metadata=_help("attention type, or one per block comma-separated")
     )
@@ -75,6 +78,14 @@ class TrainConfig:
     model_kwargs: dict[str, Any] = field(
         default_factory=dict,
         metadata=_help("any other timm VisionTransformer keyword, key=value (reg_tokens=4 qk_norm=true); replaces the mapping"),
+    )
+    pretrained: bool = field(
+        default=False,
+        metadata=_help("start from timm's pretrained weights of --model (Hugging Face cache, or the hub when reachable)"),
+    )
+    initial_checkpoint: str | None = field(
+        default=None,
+        metadata=_help("start from these weights: a .safetensors or .pth state dict, or a visattn run directory (its best weights)"),
     )
     # optimisation
     epochs: int = field(default=16, metadata=_help("training epochs"))
@@ -157,7 +168,7 @@ class TrainConfig:
 # Model keywords that come from their own config keys or from the dataset (num_classes).
 _OWN_MODEL_KEYS = frozenset(
     {"attn", "attn_kwargs", "img_size", "patch_size", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
-     "global_pool", "class_token", "drop_path_rate"}
+     "global_pool", "class_token", "drop_path_rate", "pretrained"}
 )
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(TrainConfig)
 
@@ -236,6 +247,8 @@ def check_values(config: TrainConfig) -> None:
         bad = [] if config.attn in valid or config.attn == "auto" else [config.attn]
     if bad:
         raise ConfigError(f"attn: unknown attention {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
+    if config.pretrained and config.initial_checkpoint is not None:
+        raise ConfigError("pretrained and initial_checkpoint exclude each other: start from timm's weights or from the file")
     overlap = sorted(set(config.model_kwargs) & _OWN_MODEL_KEYS)
     if overlap:
         raise ConfigError(f"model_kwargs: {', '.join(overlap)} set by their own config keys (or the dataset); set them there")

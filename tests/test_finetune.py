@@ -1,0 +1,231 @@
+"""Fine-tuning a stock timm ViT through train.py: its weights arrive unchanged in the converted model at
+step 0 (the position embeddings resampled to the larger grid, a new head where the class count differs),
+from a safetensors file, a .pth state dict or a visattn run; and the ways a start can fail, each one line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from huggingface_hub import constants as hf_constants
+from safetensors.torch import save_file
+from timm.layers import resample_abs_pos_embed
+
+from visattn.models import create_model, load_weights
+from visattn.predict import load_trained_model
+from visattn.train.build import build_model
+from visattn.train.cli import resolve_config
+from visattn.train.config import ConfigError
+from visattn.train.initial import load_initial_weights, read_initial_weights
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import train  # noqa: E402  (the script at the repository root)
+
+MODEL = "vit_tiny_patch16_224"
+# The stock ViT of the file: 32 x 32 images, patch 4 (an 8 x 8 grid), class + 1 register token.
+SHAPE = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, class_token=True, global_pool="token",
+             reg_tokens=1)
+SOURCE_SIZE, TARGET_SIZE = 32, 48  # fine-tuned on a 12 x 12 grid
+SHAPE_FLAGS = [
+    "--patch-size", "4", "--embed-dim", "32", "--depth", "2", "--num-heads", "2", "--mlp-ratio", "2",
+    "--class-token", "--global-pool", "token", "--model-kwargs", "reg_tokens=1",
+]
+# 32 training digits in batches of 16: two updates.
+FINETUNE = [
+    "--model", MODEL, "--attn", "linear", "--img-size", str(TARGET_SIZE), *SHAPE_FLAGS, "--max-train-samples", "32",
+    "--max-eval-samples", "32", "--batch-size", "16", "--epochs", "1", "--warmup-epochs", "0",
+]
+
+
+def stock_vit(num_classes: int) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return timm.create_model(MODEL, img_size=SOURCE_SIZE, num_classes=num_classes, **SHAPE)
+
+
+def write_source(kind: str, folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """(what --initial-checkpoint gets, the weights it holds) for a safetensors file (10 classes, the digits'
+    count), a timm-style .pth training checkpoint (7 classes: a new head), or a visattn run directory."""
+    if kind == "run":
+        run_dir = folder / "source-run"
+        # a visattn run of the stock ViT with another attention type at the source size
+        args = [*FINETUNE, "--attn", "axial", "--img-size", str(SOURCE_SIZE), "--run-dir", str(run_dir)]
+        assert train.main(args) == 0
+        state = {key: value.clone() for key, value in load_trained_model(run_dir).state_dict().items()}
+        return run_dir, state
+    model = stock_vit(10 if kind == "safetensors" else 7)
+    state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+    if kind == "safetensors":
+        path = folder / "vit.safetensors"
+        save_file(state, str(path))
+    else:
+        path = folder / "vit.pth"
+        torch.save({"state_dict": state, "epoch": 3}, path)
+    return path, state
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pth", "run"])
+def test_finetune_starts_from_the_stock_weights(kind, tmp_path, monkeypatch, capsys):
+    source_path, source = write_source(kind, tmp_path)
+    capsys.readouterr()
+
+    # The model train.py trains, as its first evaluation (before any update) sees it.
+    seen = []
+    original_evaluate = train.evaluate
+
+    def evaluate_and_keep(accelerator, model, loader):
+        seen.append({key: value.detach().clone() for key, value in accelerator.unwrap_model(model).state_dict().items()})
+        return original_evaluate(accelerator, model, loader)
+
+    monkeypatch.setattr(train, "evaluate", evaluate_and_keep)
+    run_dir = tmp_path / "finetuned"
+    assert train.main([*FINETUNE, "--initial-checkpoint", str(source_path), "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "resampled to the model's grid: pos_embed" in out
+    assert "initial weights, before any update: eval loss" in out
+    step0 = seen[0]
+
+    new_head = kind == "pth"
+    added = {f"blocks.{i}.attn.dwconv.{name}" for i in range(SHAPE["depth"]) for name in ("weight", "bias")}
+    assert set(step0) == (set(source) - {"head.weight", "head.bias"} if new_head else set(source)) | added | (
+        {"head.weight", "head.bias"} if new_head else set()
+    )
+    for key, value in source.items():
+        if key == "pos_embed":
+            # timm's resample of the patch part from 8 x 8 to 12 x 12; class and register tokens as they were
+            expected = resample_abs_pos_embed(value, new_size=(12, 12), old_size=(8, 8), num_prefix_tokens=2)
+            assert step0[key].shape == (1, 2 + 144, 32)
+            torch.testing.assert_close(step0[key], expected, rtol=0, atol=0)
+            torch.testing.assert_close(step0[key][:, :2], value[:, :2], rtol=0, atol=0)
+        elif key.startswith("head.") and new_head:
+            assert step0[key].shape[0] == 10
+        else:
+            assert torch.equal(step0[key], value), key
+    assert ("new head" in out) == new_head
+
+    # after the two updates the run is a converted model that loads back
+    trained = load_trained_model(run_dir, "last")
+    assert [block.attn.name for block in trained.blocks] == ["linear", "linear"]
+    assert not torch.equal(trained.state_dict()["blocks.0.attn.qkv.weight"], step0["blocks.0.attn.qkv.weight"])
+
+
+def test_a_checkpoint_of_another_shape_is_one_line_naming_the_shapes(tmp_path, capsys):
+    other = timm.create_model(MODEL, img_size=SOURCE_SIZE, **{**SHAPE, "embed_dim": 48})
+    path = tmp_path / "wide.safetensors"
+    save_file(other.state_dict(), str(path))
+    run_dir = tmp_path / "run"
+    assert train.main([*FINETUNE, "--initial-checkpoint", str(path), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "shapes differ: " in err and "(48,) in the file, (32,) in the model" in err
+    assert not run_dir.exists()  # nothing written
+
+
+def test_a_pickled_object_is_refused(tmp_path, capsys):
+    path = tmp_path / "model.pth"
+    torch.save(stock_vit(10), path)  # the whole module, not a state dict
+    assert train.main([*FINETUNE, "--initial-checkpoint", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "weights_only=True" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "resnet18"], "is a ResNet, which convert cannot change"),
+    (["--initial-checkpoint", "missing.safetensors"], "missing.safetensors does not exist"),
+    (["--initial-checkpoint", "README.md"], "not a weights file"),
+    (["--pretrained", "--initial-checkpoint", "x.pth"], "pretrained and initial_checkpoint exclude each other"),
+    (["--pretrained", "--model", "visattn_vit_tiny_patch16"], "no weights are published"),
+], ids=["not-a-vit", "missing", "not-weights", "both", "visattn-pretrained"])
+def test_bad_starts_are_one_line(args, message, tmp_path, capsys):
+    assert train.main([*FINETUNE, *args, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+
+
+def test_pretrained_offline_fails_within_seconds_with_one_line(tmp_path, monkeypatch, capsys):
+    """No cached file and a hub that cannot be reached (nothing listens on port 9): one line naming the
+    ways to give the file, seconds after the start rather than after the hub client's minute of retries."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(hf_constants, "ENDPOINT", "http://127.0.0.1:9")
+    started = time.perf_counter()
+    assert train.main(["--model", MODEL, "--pretrained", "--run-dir", str(tmp_path / "run")]) == 2
+    seconds = time.perf_counter() - started
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert "are not cached" in lines[0] and "--initial-checkpoint PATH" in lines[0] and "pretrained_cfg_overlay" in lines[0]
+    assert seconds < 15, f"took {seconds:.1f} s"
+    assert not (tmp_path / "run").exists()
+
+
+def test_pretrained_offline_is_one_line_from_the_command_line_too(tmp_path):
+    """The same through a fresh interpreter, where the hub client reads its settings from the environment:
+    no retry warnings, no traceback (the bound leaves room for the imports on a busy machine)."""
+    env = {
+        "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+        "HF_HUB_CACHE": str(tmp_path / "empty-cache"), "HF_ENDPOINT": "http://127.0.0.1:9",
+    }
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--model", MODEL, "--pretrained", "--run-dir", str(tmp_path / "run")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "are not cached" in result.stderr
+    assert time.perf_counter() - started < 45  # the hub client alone retries for over 50 s
+
+
+def test_pretrained_reads_the_hugging_face_cache_without_network(tmp_path, monkeypatch):
+    """A file in the hub cache is used as it is: no request is made (the endpoint is unreachable)."""
+    source = stock_vit(1000)
+    snapshot = tmp_path / "models--timm--vit_tiny_patch16_224.augreg_in21k_ft_in1k" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    save_file(source.state_dict(), str(snapshot / "model.safetensors"))
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hf_constants, "ENDPOINT", "http://127.0.0.1:9")
+
+    config, _, _ = resolve_config(["--model", MODEL, "--pretrained", "--attn", "linformer", "--img-size", "32", *SHAPE_FLAGS])
+    model = build_model(config, num_classes=10)
+    lines = load_initial_weights(model, read_initial_weights(config))
+    assert lines[0].endswith("model.safetensors") and any("new head" in line for line in lines)
+    state = model.state_dict()
+    assert torch.equal(state["blocks.1.mlp.fc2.weight"], source.state_dict()["blocks.1.mlp.fc2.weight"])
+    assert torch.equal(state["pos_embed"], source.state_dict()["pos_embed"])  # same grid: not resampled
+
+
+def test_load_weights_keeps_attention_parameters_of_the_same_shape_and_leaves_out_the_others():
+    """linformer -> linformer at the same grid loads the projections; linformer -> linear leaves them out
+    and keeps the convolution's initialisation."""
+    kwargs = dict(img_size=SOURCE_SIZE, num_classes=10, **SHAPE)
+    source = create_model(MODEL, attn="linformer", attn_kwargs=dict(k=16), **kwargs)
+    with torch.no_grad():
+        source.blocks[0].attn.proj_k.add_(1.0)
+    same = create_model(MODEL, attn="linformer", attn_kwargs=dict(k=16), **kwargs)
+    report = load_weights(same, source.state_dict())
+    assert report.kept_init == [] and report.left_out == []
+    assert torch.equal(same.blocks[0].attn.proj_k, source.blocks[0].attn.proj_k)
+
+    linear = create_model(MODEL, attn="linear", **kwargs)
+    conv_before = linear.blocks[0].attn.dwconv.weight.detach().clone()
+    report = load_weights(linear, source.state_dict())
+    assert report.left_out == [f"blocks.{i}.attn.proj_{w}" for i in range(2) for w in ("k", "v")]
+    assert report.kept_init == [f"blocks.{i}.attn.dwconv.{p}" for i in range(2) for p in ("bias", "weight")]
+    assert torch.equal(linear.blocks[0].attn.dwconv.weight, conv_before)
+
+
+def test_create_model_refuses_a_model_convert_cannot_change():
+    with pytest.raises(ValueError, match="is a ResNet"):
+        create_model("resnet18", attn="linear")
+    with pytest.raises(ValueError, match="not a timm model"):
+        create_model("no_such_model", attn="linear")
+
+
+def test_pretrained_and_initial_checkpoint_exclude_each_other():
+    with pytest.raises(ConfigError, match="exclude each other"):
+        resolve_config(["--pretrained", "--initial-checkpoint", "x.pth"])

@@ -1,0 +1,165 @@
+"""Any timm ViT with visattn attention, and weights made for another image size or attention loaded into it.
+
+:func:`create_model` builds a registered ``visattn_vit_*`` model, or any timm model whose class is timm's
+``VisionTransformer`` (``vit_*``, ``deit_*``, ...) built by timm and passed through :func:`convert`;
+``pretrained=True`` loads timm's weights into the stock model before the conversion, so the attention's
+``qkv``, ``proj`` and norms keep them. :func:`load_weights` loads a state dict of the same architecture
+made at another image size or with another attention type:
+
+- ``pos_embed`` is resampled to the model's patch grid and the patch embedding to its patch size by timm's
+  ``checkpoint_filter_fn`` (``resample_abs_pos_embed`` on the patch part, the prefix tokens kept as they are);
+- a head of another class count is not loaded: the model keeps its freshly initialised head;
+- parameters of an attention type (outside the ``qkv``/``q_norm``/``k_norm``/``norm``/``proj`` that every
+  type shares) load where the model has the same name and shape; the model's others keep the
+  initialisation of their layer, and the file's others are left out;
+- every other weight must match by name and shape.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import timm
+import torch
+from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
+
+from visattn.models.auto import select_attention
+from visattn.models.convert import CARRIED_MODULES, convert
+from visattn.models.shapes import MODEL_SHAPES
+
+HEAD_PREFIX = "head."
+
+
+def create_model(
+    model_name: str,
+    attn: str | Sequence[str] = "linear",
+    attn_kwargs: dict[str, Any] | None = None,
+    pretrained: bool = False,
+    **kwargs: Any,
+) -> VisionTransformer:
+    """``timm.create_model(model_name, **kwargs)`` with ``attn`` in every block.
+
+    Args:
+        model_name: a ``visattn_vit_*`` name, or a timm model name whose class is ``VisionTransformer``.
+        attn: one name of :func:`visattn.list_attentions`, one per block, or ``"auto"``
+            (:func:`visattn.models.auto.select_attention` from the name and the image size).
+        attn_kwargs: type options, as in :func:`convert`.
+        pretrained: timm's pretrained weights (loaded into the stock model, then converted).
+        **kwargs: any keyword of timm's ``VisionTransformer`` (``img_size``, ``patch_size``, ``num_classes``, ...).
+    Returns:
+        The converted model.
+    Raises:
+        ValueError: an unknown model name, or one whose class is not timm's ``VisionTransformer``.
+    """
+    attn_kwargs = dict(attn_kwargs or {})
+    if model_name in MODEL_SHAPES:
+        return timm.create_model(model_name, pretrained=pretrained, attn=attn, attn_kwargs=attn_kwargs, **kwargs)
+    check_vit_name(model_name)
+    model = timm.create_model(model_name, pretrained=pretrained, **kwargs)
+    names = attn
+    if attn == "auto":
+        embed = model.patch_embed
+        names = select_attention(model_name, tuple(embed.img_size), tuple(embed.patch_size))
+    return convert(model, names, **attn_kwargs)
+
+
+def check_vit_name(model_name: str) -> None:
+    """ValueError unless ``timm.create_model(model_name)`` is a ``VisionTransformer`` (built on the meta
+    device, so no memory or time goes into weights)."""
+    accepted = (
+        f"give a visattn model ({', '.join(MODEL_SHAPES)}) or a timm VisionTransformer "
+        "(timm.list_models('vit_*'), 'deit_*', ...)"
+    )
+    if not timm.is_model(model_name):
+        raise ValueError(f"model {model_name!r} is not a timm model; {accepted}")
+    with torch.device("meta"):
+        probe = timm.create_model(model_name)
+    if not isinstance(probe, VisionTransformer):
+        raise ValueError(f"model {model_name!r} is a {type(probe).__name__}, which convert cannot change; {accepted}")
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_weights` did beyond copying tensors of equal name and shape."""
+
+    resampled: list[str] = field(default_factory=list)  # keys resampled to the model's grid or patch size
+    new_head: bool = False  # the file's head has another shape: the model keeps its own
+    kept_init: list[str] = field(default_factory=list)  # the model's attention parameters the file lacks
+    left_out: list[str] = field(default_factory=list)  # the file's attention parameters the model lacks
+
+    def lines(self) -> list[str]:
+        notes = []
+        if self.resampled:
+            notes.append(f"resampled to the model's grid: {', '.join(self.resampled)}")
+        if self.new_head:
+            notes.append("the head has another class count: a new head is trained")
+        if self.kept_init:
+            notes.append(f"new attention parameters keep their initialisation: {_short(self.kept_init)}")
+        if self.left_out:
+            notes.append(f"attention parameters of the file not in the model, left out: {_short(self.left_out)}")
+        return notes
+
+
+def load_weights(model: VisionTransformer, state_dict: Mapping[str, torch.Tensor]) -> LoadReport:
+    """Load ``state_dict`` (of this architecture, at any image size, with any attention type) into ``model``.
+
+    Args:
+        model: a converted (or stock) timm ``VisionTransformer``.
+        state_dict: its weights, e.g. of the stock model or of a visattn run at another image size.
+    Returns:
+        A :class:`LoadReport`.
+    Raises:
+        ValueError: one line naming the keys missing from the file, the keys the model lacks, and the keys
+            whose shapes differ (file vs model), outside what is adapted as the module docstring says.
+    """
+    target = model.state_dict()
+    source = checkpoint_filter_fn(dict(state_dict), model)
+    report = LoadReport()
+    for key in ("pos_embed", "patch_embed.proj.weight"):
+        if key in state_dict and key in source and state_dict[key].shape != source[key].shape:
+            report.resampled.append(key)
+
+    head_keys = [key for key in source if key.startswith(HEAD_PREFIX)]
+    if any(key not in target or source[key].shape != target[key].shape for key in head_keys):
+        report.new_head = True
+        source = {key: value for key, value in source.items() if not key.startswith(HEAD_PREFIX)}
+
+    own = {key for key in target if _is_attention_own(key)}
+    for key in sorted(key for key in source if _is_attention_own(key)):
+        if key not in own or source[key].shape != target[key].shape:
+            report.left_out.append(key)
+            del source[key]
+    report.kept_init = sorted(own - set(source))
+
+    expected = {key for key in target if not _is_attention_own(key) and not (report.new_head and key.startswith(HEAD_PREFIX))}
+    missing = sorted(expected - set(source))
+    unexpected = sorted(set(source) - set(target))
+    differ = [
+        f"{key} {tuple(source[key].shape)} in the file, {tuple(target[key].shape)} in the model"
+        for key in sorted(set(source) & set(target))
+        if source[key].shape != target[key].shape
+    ]
+    problems = []
+    if differ:
+        problems.append(f"shapes differ: {_short(differ)}")
+    if missing:
+        problems.append(f"missing from the file: {_short(missing)}")
+    if unexpected:
+        problems.append(f"not in the model: {_short(unexpected)}")
+    if problems:
+        raise ValueError(f"the weights do not fit the model ({'; '.join(problems)})")
+    model.load_state_dict(source, strict=False)
+    return report
+
+
+def _is_attention_own(key: str) -> bool:
+    """Whether ``key`` is a parameter of an attention type rather than one every type shares:
+    ``blocks.<i>.attn.<name>...`` with ``<name>`` not one of CARRIED_MODULES."""
+    parts = key.split(".")
+    return len(parts) > 3 and parts[0] == "blocks" and parts[2] == "attn" and parts[3] not in CARRIED_MODULES
+
+
+def _short(items: list[str], limit: int = 4) -> str:
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
