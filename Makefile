@@ -11,7 +11,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 train: $(VENV)/.installed
-	$(VENV)/bin/accelerate launch --num_processes 1 train.py --attn axial
+	$(VENV)/bin/accelerate launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+		train.py --attn axial
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

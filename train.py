@@ -23,15 +23,17 @@ from accelerate.utils import set_seed
 import visattn  # noqa: F401  (registers the visattn_vit_* models with timm)
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
+from visattn.train.attention import resolve_attention
 from visattn.train.build import (
     build_accelerator, build_criterion, build_loaders, build_mixup, build_model, build_optimizer, build_scheduler,
-    load_data, process_state,
+    default_cpu_threads, load_data, process_state,
 )
 from visattn.train.cli import RunOptions, resolve_config
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import DataError
 from visattn.train.initial import load_initial_weights, read_initial_weights
 from visattn.train.loop import Training, evaluate, finish_epoch, new_trainer_state, summarize, train_epoch, write_run_files
+from visattn.train.overview import run_overview
 
 
 def training_function(config: TrainConfig, options: RunOptions, held: contextlib.ExitStack) -> dict[str, Any]:
@@ -44,13 +46,13 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     initial = None if options.resume else read_initial_weights(config)
 
     # Build and check everything before the run directory is touched.
+    # attn="auto" is recorded as the type it chose: another machine's calibration may choose differently.
+    auto = config.attn == "auto"
+    for notice in resolve_attention(config):
+        accelerator.print(notice)
     splits = load_data(accelerator, config, options.download)
     set_seed(config.seed)  # the same initial weights on every process
     model = build_model(config, splits.num_classes)
-    if config.attn == "auto":  # record the choice: another machine's calibration may choose differently
-        chosen = [block.attn.name for block in model.blocks]
-        config.attn = chosen[0] if len(set(chosen)) == 1 else chosen
-        accelerator.print(f"attn auto: {config.attn}")
     model_kwargs = config.model_kwargs_for_timm(splits.num_classes)
     train_loader, eval_loader = build_loaders(config, splits, accelerator.num_processes)
     optimizer = build_optimizer(config, model)
@@ -71,6 +73,11 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     accelerator.wait_for_everyone()
 
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    overview = run_overview(
+        config, splits, accelerator.unwrap_model(model), accelerator.num_processes, len(train_loader), auto, run_dir,
+        accelerator.device,
+    )
+    accelerator.print("\n".join(overview))
     initial_eval = None
     if initial is not None:
         initial_eval = evaluate(accelerator, model, eval_loader)  # what the converted weights do before training
@@ -137,4 +144,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    default_cpu_threads()
     sys.exit(main())

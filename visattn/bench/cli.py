@@ -28,7 +28,7 @@ from visattn.bench.sweep import (
 )
 from visattn.bench.timing import Timing, measure
 from visattn.layers import list_attentions
-from visattn.layers.options import parse_key_values
+from visattn.layers.options import options_per_type, parse_key_values
 
 DEFAULT_SIZES = ("224", "512", "1024", "2048")
 DEFAULT_GRIDS = ("16x32", "32x64", "64x128", "128x256")
@@ -55,14 +55,6 @@ def _key_values(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _attn_kwargs(text: str) -> dict[str, dict[str, Any]]:
-    """``{"linformer": {"k": 64}}`` or ``linformer={k: 64}``: options keyed by attention name."""
-    value = _key_values(text)
-    if not all(isinstance(v, dict) for v in value.values()):
-        raise argparse.ArgumentTypeError('--attn-kwargs must map attention names to options, e.g. \'{"linformer": {"k": 64}}\'')
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="visattn-bench",
@@ -74,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="visattn model (timm name)")
     p.add_argument("--timm-model", help="timm's stock reference model; default: --model without 'visattn_', with '_224'")
     p.add_argument("--attn", nargs="+", default=list_attentions(), help="attention types (the references timm and floor are added, see --references)")
-    p.add_argument("--attn-kwargs", type=_attn_kwargs, default={}, help='type options by attention name, as a mapping or KEY=VALUE words, e.g. \'{"linformer": {"k": 64}}\' or \'linformer={k: 64}\'')
+    p.add_argument(
+        "--attn-kwargs", type=_key_values, nargs="*", default=[], metavar="KEY=VALUE",
+        help="type options, as in train.py: k=64 for every type that takes it, linformer={k: 64} for one type",
+    )
     p.add_argument("--model-kwargs", type=_key_values, nargs="*", default=[], metavar="KEY=VALUE", help="passed to both models, e.g. depth=6")
     p.add_argument("--sizes", type=_size, nargs="+", default=[_size(s) for s in DEFAULT_SIZES], help="image sizes: N or HxW")
     p.add_argument(
@@ -118,9 +113,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown attention(s) {', '.join(unknown)}; valid: {', '.join(list_attentions())}")
     args.attn = list(dict.fromkeys(args.attn))
-    bad_kwargs = [a for a in args.attn_kwargs if a not in args.attn]
-    if bad_kwargs:
-        parser.error(f"--attn-kwargs for {', '.join(bad_kwargs)}, which is not among --attn ({', '.join(args.attn)})")
+    given = {key: value for words in args.attn_kwargs for key, value in words.items()}
+    try:
+        args.attn_kwargs, unused = options_per_type(args.attn, given)
+    except ValueError as err:
+        parser.error(f"--attn-kwargs: {err}")
+    # Unlike a training recipe, the command line holds only what the user typed for this sweep.
+    unused += [name for name in given if name in list_attentions() and name not in args.attn]
+    if unused:
+        parser.error(f"--attn-kwargs: {', '.join(unused)} applies to none of --attn ({', '.join(args.attn)})")
     args.model_kwargs = {key: value for given in args.model_kwargs for key, value in given.items()}
     taken = {"img_size", "num_classes", "attn", "attn_kwargs"} & set(args.model_kwargs)
     if taken:

@@ -1,4 +1,5 @@
-"""Layer options written as text: ``kernel_size=5,dilation=2`` or ``{"kernel_size": 5}``.
+"""Layer options written as text: ``kernel_size=5,dilation=2`` or ``{"kernel_size": 5}``, and which
+attention type each option of an ``attn_kwargs`` mapping goes to.
 
 The one reader of option text for the training config and the benchmark command line. Values follow
 YAML 1.2 scalar rules: ``1e-3`` is a float, ``no``/``on`` are strings, ``true``/``false`` booleans,
@@ -7,9 +8,12 @@ YAML 1.2 scalar rules: ``1e-3`` is a float, ``no``/``on`` are strings, ``true``/
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
+
+from visattn.layers.registry import get_attention, list_attentions
 
 
 class Yaml12Loader(yaml.SafeLoader):
@@ -90,3 +94,43 @@ def _split_top_level(text: str) -> list[str]:
         current.append(char)
     pieces.append("".join(current))
     return [piece for piece in pieces if piece.strip()]
+
+
+def options_per_type(names: Iterable[str], attn_kwargs: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The options of each attention type in ``names``, from ``attn_kwargs`` in either form, mixed freely:
+
+    - ``{option: value}`` (``kernel_size=5``): for every type of ``names`` that accepts the option;
+    - ``{type: {option: value}}`` (``neighborhood={kernel_size: 5}``): for that type only, over the
+      flat options; a type not in ``names`` is passed over, so one mapping can hold several types' options.
+
+    Returns:
+        ({name: options} for each distinct name, in order; the flat options no type of ``names`` accepts).
+    Raises:
+        ValueError: a key that is neither an attention type nor an option of one, a type's entry that is not a
+            mapping, or an option under a type that the type does not accept.
+    """
+    accepted = {name: get_attention(name).type_options() for name in list_attentions()}
+    flat = {key: value for key, value in attn_kwargs.items() if key not in accepted}
+    unknown = sorted(key for key in flat if not any(key in options for options in accepted.values()))
+    if unknown:
+        every_option = sorted({option for options in accepted.values() for option in options})
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)}: neither an attention type nor an option of one; options: "
+            f"{', '.join(every_option)}; or a type with its own options, e.g. neighborhood={{kernel_size: 5}}"
+        )
+    for name, options in attn_kwargs.items():
+        if name not in accepted:
+            continue
+        if not isinstance(options, Mapping):
+            raise ValueError(f"{name}: expected a mapping of its options, e.g. {name}={{...}}, got {options!r}")
+        wrong = sorted(set(options) - set(accepted[name]))
+        if wrong:
+            raise ValueError(
+                f"{name}: unknown option(s) {', '.join(map(str, wrong))}; accepted: {', '.join(accepted[name]) or 'none'}"
+            )
+    per_type = {
+        name: {key: value for key, value in flat.items() if key in accepted[name]} | dict(attn_kwargs.get(name, {}))
+        for name in dict.fromkeys(names)
+    }
+    unused = [key for key in flat if not any(key in accepted[name] for name in per_type)]
+    return per_type, unused

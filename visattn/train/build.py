@@ -118,3 +118,11 @@ def build_mixup(config: TrainConfig, num_classes: int) -> Mixup | None:
 def build_criterion(config: TrainConfig, mixup: Mixup | None) -> nn.Module:
     """Cross-entropy; with mixup the smoothing is already in the mixed targets."""
     return nn.CrossEntropyLoss(label_smoothing=0.0 if mixup else config.label_smoothing)
+
+
+def default_cpu_threads() -> None:
+    """One CPU thread per process unless ``OMP_NUM_THREADS`` sets the number, as under ``accelerate launch``
+    (which sets it to 1). torch's own default, a thread per physical core, makes every parallel region
+    wait for all its threads: on cores that other processes share, a step then takes many times longer."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)

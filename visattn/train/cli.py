@@ -10,6 +10,7 @@ and the values against the rest of the config by :class:`~visattn.train.config.T
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import typing
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 from visattn.layers import list_attentions
 from visattn.layers.options import parse_key_values
+from visattn.train.attention import resolve_attention
 from visattn.train.checkpoint import CONFIG_FILE, is_run_dir
 from visattn.train.config import FIELD_TYPES, ConfigError, TrainConfig, changed_keys, check_keys, make_config, read_yaml
 from visattn.train.fieldtypes import accepts, accepts_scalar, alternatives, type_name
@@ -114,9 +116,16 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, RunOptio
     if options.resume and is_run_dir(run_dir):
         saved = make_config(read_yaml(run_dir / CONFIG_FILE))
         config = make_config(saved.to_dict(), from_file, from_flags)
-        changes = changed_keys(saved, config)
+        changes = changed_keys(saved, _as_built(config))
     config.run_dir = str(run_dir)
     return config, options, changes
+
+
+def _as_built(config: TrainConfig) -> TrainConfig:
+    """A copy of ``config`` with the attention resolved as the run resolves it (a saved config is resolved)."""
+    resolved = copy.deepcopy(config)
+    resolve_attention(resolved)
+    return resolved
 
 
 def _parse_flag(key: str, raw: Any) -> Any:

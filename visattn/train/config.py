@@ -65,7 +65,9 @@ class TrainConfig:
         default="softmax", metadata=_help("attention type, or one per block comma-separated")
     )
     attn_kwargs: dict[str, Any] = field(
-        default_factory=dict, metadata=_help("attention type options, key=value (per type name when attn is a list)")
+        default_factory=dict,
+        metadata=_help("attention options: key=value for every type in use that takes it, or type={key: value} for one "
+                       "type; options no type in use takes are dropped with a notice"),
     )
     patch_size: int = field(default=2, metadata=_help("patch side; the grid is img_size / patch_size"))
     embed_dim: int = field(default=64, metadata=_help("token width"))

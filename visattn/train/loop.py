@@ -22,6 +22,9 @@ from visattn.train import run_log
 from visattn.train.config import TrainConfig, config_yaml
 from visattn.train.data import DataSplits, eval_data_config
 
+# The loss and learning rate in the progress bar are refreshed at most this often.
+POSTFIX_SECONDS = 0.5
+
 
 def write_run_files(run_dir: Path, config: TrainConfig, model_kwargs: dict[str, Any], splits: DataSplits) -> None:
     """The effective config (what --resume reads) and model.json (what visattn.predict reads)."""
@@ -83,7 +86,8 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
     run.model.train()
     progress = tqdm(total=len(loader), initial=skip, desc=f"epoch {epoch + 1}/{config.epochs}",
                     disable=not accelerator.is_local_main_process, dynamic_ncols=True)
-    tick = time.perf_counter()
+    tick = shown = time.perf_counter()
+    shown -= POSTFIX_SECONDS  # the first step's loss is shown at once
     for batch_index, (images, targets) in enumerate(batches, start=skip):
         if run.mixup is not None:
             images, targets = run.mixup(images, targets)
@@ -97,8 +101,10 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
         sums[0] += loss.detach().double() * len(images)
         sums[1] += len(images)
         progress.update(1)
-        if batch_index % 10 == 0:
+        if time.perf_counter() - shown >= POSTFIX_SECONDS or batch_index + 1 == len(loader):
+            # by time, not every step: reading the loss waits for the device
             progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{run.optimizer.param_groups[0]['lr']:.2e}")
+            shown = time.perf_counter()
         if not accelerator.sync_gradients:
             continue
         state["update"] += 1

@@ -1,0 +1,90 @@
+"""What a run says before and while it trains: the overview, the warm-up warning, the progress bar's
+refresh, the CPU threads of a plain run, and a one-line error under accelerate launch."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import timm
+
+import visattn.train.loop as loop
+from tests.test_train import ENV, REPO, TINY, TRAIN, run_train, train
+
+PLAIN_ENV = {key: value for key, value in ENV.items() if key != "OMP_NUM_THREADS"}
+
+
+def test_the_run_starts_with_an_overview_and_auto_choice(tmp_path):
+    args = [*TINY[:-2], "--attn", "auto", "--epochs", "1", "--warmup-epochs", "1", "--run-dir", str(tmp_path / "run")]
+    result = subprocess.run(
+        [sys.executable, str(TRAIN), *args], cwd=REPO, env=PLAIN_ENV, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    model = timm.create_model(
+        "visattn_vit_tiny_patch16", attn="softmax", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2,
+        mlp_ratio=2.0, num_classes=10, global_pool="avg", class_token=False,
+    )
+    params = sum(p.numel() for p in model.parameters())
+    overview = result.stdout.splitlines()[:6]
+    assert overview == [
+        "data: digits, 96 train / 50 eval images, 10 classes, resized to 16x16",
+        f"model: visattn_vit_tiny_patch16, {params:,} parameters, 4x4 grid of 4x4 patches = 16 tokens",
+        "attention: softmax in all 2 blocks (the choice of attn=auto for this model and image size)",
+        "training: 1 process (1 CPU thread each) x batch 16 = 16 images per step; 1 epoch of 6 steps (6 updates each)",
+        f"run directory: {tmp_path / 'run'}",
+        "warning: the warm-up (1 epoch) does not end before the run (1 epoch): the learning rate never reaches "
+        "lr=0.002; lower --warmup-epochs",
+    ], result.stdout
+
+
+def test_no_warm_up_warning_when_the_warm_up_ends_within_the_run(tiny_run):
+    _, result = tiny_run  # 2 epochs, 1 of warm-up
+    assert "training: 1 process (1 CPU thread each) x batch 16" in result.stdout
+    assert "warm-up" not in result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("start") / "run"
+    result = run_train(*TINY, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result
+
+
+@pytest.mark.parametrize("omp, threads", [(None, 1), ("2", 2)])
+def test_a_plain_run_uses_one_thread_unless_omp_num_threads_says(omp, threads):
+    env = PLAIN_ENV | ({"OMP_NUM_THREADS": omp} if omp else {})
+    code = "import torch; from visattn.train.build import default_cpu_threads; default_cpu_threads(); print(torch.get_num_threads())"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == str(threads), result.stderr
+
+
+class RecordingBar(loop.tqdm):
+    postfixes: list[dict] = []
+
+    def set_postfix(self, *args, **kwargs):
+        RecordingBar.postfixes.append(kwargs)
+        super().set_postfix(*args, **kwargs)
+
+
+@pytest.mark.parametrize("seconds, shown", [(0.0, 6), (3600.0, 2)], ids=["every-step", "first-and-last"])
+def test_progress_bar_loss_refreshes_by_time(seconds, shown, tmp_path, monkeypatch):
+    """6 steps in the epoch: with no interval every step's loss is shown; with a long one, the first and last."""
+    monkeypatch.setattr(loop, "tqdm", RecordingBar)
+    monkeypatch.setattr(loop, "POSTFIX_SECONDS", seconds)
+    RecordingBar.postfixes = []
+    assert train.main([*TINY, "--epochs", "1", "--run-dir", str(tmp_path / "run")]) == 0
+    assert len(RecordingBar.postfixes) == shown
+    assert all(re.fullmatch(r"\d+\.\d{3}", postfix["loss"]) for postfix in RecordingBar.postfixes)
+
+
+def test_one_line_error_under_accelerate_launch():
+    """`make train`'s launcher, given a bad flag: the script's one line, nothing from accelerate, a failing status."""
+    makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    (launch,) = re.findall(r"accelerate launch (.*?)\s+train\.py", makefile)
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch.split(), str(TRAIN), "--epochs", "two"]
+    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr == "error: --epochs: expected int, got 'two'\n"

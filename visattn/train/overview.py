@@ -1,0 +1,62 @@
+"""The lines a run prints before its first step: what it trains on, what it builds, where it writes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from visattn.train.config import TrainConfig
+from visattn.train.data import DataSplits
+
+
+def attention_line(names: list[str], auto: bool) -> str:
+    """'attention: axial in all 4 blocks' (and how auto chose), or one name per block."""
+    if len(set(names)) == 1:
+        text = f"attention: {names[0]} in all {len(names)} blocks"
+    else:
+        text = f"attention per block: {', '.join(names)}"
+    return text + (" (the choice of attn=auto for this model and image size)" if auto else "")
+
+
+def run_overview(
+    config: TrainConfig, splits: DataSplits, model: nn.Module, num_processes: int, batches_per_epoch: int,
+    auto: bool, run_dir: Path, device: torch.device,
+) -> list[str]:
+    """One line each: data, model, attention, schedule, run directory; and a warning when the warm-up does
+    not end within the run."""
+    height, width = config.image_hw
+    rows, cols = model.patch_embed.grid_size
+    patch_h, patch_w = model.patch_embed.patch_size
+    prefix = model.num_prefix_tokens
+    params = sum(p.numel() for p in model.parameters())
+    names = [getattr(block.attn, "name", type(block.attn).__name__) for block in model.blocks]
+    global_batch = config.batch_size * num_processes
+    updates = -(-batches_per_epoch // config.grad_accum_steps)
+    threads = f" ({_count(torch.get_num_threads(), 'CPU thread')} each)" if device.type == "cpu" else ""
+    update_text = f", {global_batch * config.grad_accum_steps} per update" if config.grad_accum_steps > 1 else ""
+    return [
+        f"data: {config.dataset}, {len(splits.train)} train / {len(splits.eval)} eval images, "
+        f"{splits.num_classes} classes, resized to {height}x{width}",
+        f"model: {config.model}, {params:,} parameters, {rows}x{cols} grid of {patch_h}x{patch_w} patches = "
+        f"{rows * cols} tokens" + (f" + {prefix} prefix" if prefix else ""),
+        attention_line(names, auto),
+        f"training: {_count(num_processes, 'process', 'processes')}{threads} x batch {config.batch_size} = "
+        f"{global_batch} images per step{update_text}; {_count(config.epochs, 'epoch')} of {_count(batches_per_epoch, 'step')} "
+        f"({_count(updates, 'update')} each)",
+        f"run directory: {run_dir}",
+    ] + warmup_notice(config)
+
+
+def warmup_notice(config: TrainConfig) -> list[str]:
+    """A line when the learning rate is still warming up at the end of the run, else none."""
+    if config.warmup_epochs < config.epochs:
+        return []
+    return [
+        f"warning: the warm-up ({_count(config.warmup_epochs, 'epoch')}) does not end before the run "
+        f"({_count(config.epochs, 'epoch')}): the learning rate never reaches lr={config.lr:g}; lower --warmup-epochs"
+    ]
+
+
+def _count(number: int, one: str, many: str | None = None) -> str:
+    return f"{number} {one if number == 1 else many or one + 's'}"
