@@ -56,13 +56,13 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     model_kwargs = config.model_kwargs_for_timm(splits.num_classes)
     train_loader, eval_loader = build_loaders(config, splits, accelerator.num_processes)
     optimizer = build_optimizer(config, model)
+    if initial is not None:
+        for line in load_initial_weights(model, initial):
+            accelerator.print(line)
     ckpt.check_run_dir(run_dir, options.resume, options.overwrite)
     if main:  # one run writes into a run directory at a time; a second one stops here
         held.enter_context(ckpt.RunLock(run_dir))
         ckpt.check_run_dir(run_dir, options.resume, options.overwrite)  # again: a run may have ended just before
-    if initial is not None:
-        for line in load_initial_weights(model, initial):
-            accelerator.print(line)
     accelerator.wait_for_everyone()  # every process has checked the run directory before it changes
     resume_from = None
     if options.resume:  # the newest checkpoint that verifies (or the one asked for), checked under the lock

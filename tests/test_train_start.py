@@ -2,7 +2,6 @@
 refresh, the CPU threads of a plain run, and a one-line error under accelerate launch."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
