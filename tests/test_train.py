@@ -565,3 +565,13 @@ def test_bf16_training_at_4096_tokens_keeps_a_finite_loss(attn):
     assert all(np.isfinite(losses)), losses
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_same_command_and_seed_give_identical_weights(tiny_run, tmp_path):
+    """The determinism the README promises: the same command, seed and thread count, bit for bit."""
+    run_dir, _ = tiny_run
+    again = tmp_path / "again"
+    result = run_train(*TINY, "--run-dir", str(again), "--save-every", "4", "--keep-checkpoints", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_weights(weights_of(again), weights_of(run_dir), tol=0.0)
+    assert_same_weights(weights_of(again, "best"), weights_of(run_dir, "best"), tol=0.0)
