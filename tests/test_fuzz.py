@@ -26,13 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import visattn
-from tests.helpers import rms_rel_err
 from visattn import ops
 from visattn.layers import GridAttention, get_attention
 from visattn.layers.longformer import LongformerAttention
 from visattn.ops._layout import merge_heads, split_heads
 from visattn.ops._naive import naive_masked_attn
-from visattn.ops.backends import force_backend
 from visattn.ops.linformer import resample_projection
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
