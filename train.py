@@ -13,6 +13,7 @@ override. The run directory gets the effective config, checkpoints (each epoch a
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,10 @@ from visattn.train.cli import RunOptions, resolve_config
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import DataError
 from visattn.train.initial import load_initial_weights, read_initial_weights
-from visattn.train.loop import Training, evaluate, finish_epoch, new_trainer_state, summarize, train_epoch, write_run_files
+from visattn.train.loop import (
+    NonFiniteError, Training, check_checkpoint_model, evaluate, finish_epoch, new_trainer_state, summarize, train_epoch,
+    write_run_files,
+)
 from visattn.train.overview import run_overview
 
 
@@ -96,6 +100,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     if initial_eval is not None:
         run.state["initial_eval_acc"] = initial_eval["eval_acc"]
     if resume_from is not None:
+        check_checkpoint_model(accelerator, model, run_dir, resume_from, model_kwargs)
         run.state = ckpt.load_checkpoint(accelerator, resume_from, saved_state)
         state = run.state
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch'] + 1}, batch {state['batch']}, update {state['update']})")
@@ -108,21 +113,28 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         accelerator.init_trackers("visattn", config={key: value if isinstance(value, (int, float, str, bool)) else str(value)
                                                      for key, value in config.to_dict().items()})
 
+    already_finished = run.state["epoch"] >= config.epochs
     for epoch in range(run.state["epoch"], config.epochs):
         run_log.reset_peak_memory(accelerator.device)
         loss_sum, images, train_time = train_epoch(run, epoch)
         finish_epoch(run, epoch, loss_sum, images, train_time)
 
-    summary = summarize(run, time.perf_counter() - started)
-    if "initial_eval_acc" in run.state:
-        summary["initial_acc"] = run.state["initial_eval_acc"]
-    if main:
-        run_log.write_summary(run_dir, summary)
-        run_log.plot_metrics(run_dir, run.state["history"])
+    summary_file = run_dir / run_log.SUMMARY_FILE
+    if already_finished and summary_file.is_file():
+        summary = json.loads(summary_file.read_text())  # nothing was trained: the run's summary and wall time stand
+    else:
+        summary = summarize(run, time.perf_counter() - started)
+        if "initial_eval_acc" in run.state:
+            summary["initial_acc"] = run.state["initial_eval_acc"]
+        if main:
+            run_log.write_summary(run_dir, summary)
+            run_log.plot_metrics(run_dir, run.state["history"])
     accelerator.print(
         f"test accuracy: {100 * summary['test_acc']:.2f}% (best {100 * summary['best_acc']:.2f}% at epoch "
         f"{summary['best_epoch']}); {summary['images_per_s']:.0f} train img/s; run directory: {run_dir}"
     )
+    if summary.get("skipped_updates"):
+        accelerator.print(f"{summary['skipped_updates']} update(s) skipped for a non-finite loss or gradient")
     accelerator.end_training()
     return summary
 
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resuming {config.run_dir} with changed settings: {'; '.join(changes)}")
         with contextlib.ExitStack() as held:
             training_function(config, options, held)
-    except (ConfigError, DataError, ckpt.RunDirError) as error:
+    except (ConfigError, DataError, ckpt.RunDirError, NonFiniteError) as error:
         # Every process reports: a launcher stops the others as soon as one exits, main process included.
         state = process_state()
         where = "" if state.num_processes == 1 else f"[process {state.process_index}] "

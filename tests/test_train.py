@@ -417,3 +417,161 @@ def test_config_rejects_unknown_keys_and_wrong_types_by_name():
     with pytest.raises(ConfigError, match="augment: expected bool, got int"):
         make_config({"augment": 1})
     assert set(visattn.list_attentions()) >= {"softmax", "axial"}
+
+
+# -- numerical faults --------------------------------------------------------------------------------
+class _NanGradient(torch.autograd.Function):
+    """The identity whose backward returns NaN: a finite loss with a non-finite gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("nan"))
+
+
+def _poison_criterion(monkeypatch, faults: dict[int, str]) -> None:
+    """Makes the training loss of the listed updates (1-based, one batch an update) NaN ("loss"), or
+    its gradient NaN ("gradient"), 0 ("zero") or 1e10 times larger ("huge")."""
+    build = train.build_criterion
+    calls = [0]
+
+    def build_poisoned(config, mixup):
+        criterion = build(config, mixup)
+
+        def poisoned(logits, targets):
+            calls[0] += 1
+            fault = faults.get(calls[0])
+            if fault == "gradient":
+                logits = _NanGradient.apply(logits)
+            loss = criterion(logits, targets)
+            if fault == "loss":
+                return loss * float("nan")
+            return loss * {"huge": 1e10, "zero": 0.0}.get(fault, 1.0)
+
+        return poisoned
+
+    monkeypatch.setattr(train, "build_criterion", build_poisoned)
+
+
+def _error_line(stderr: str) -> str:
+    """The one error line among the progress bar's lines (which redraw after carriage returns); no traceback."""
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr[-3000:]
+    return errors[0]
+
+
+def _all_checkpoint_weights_finite(run_dir: Path) -> list[str]:
+    checked = []
+    for checkpoint in sorted((run_dir / "checkpoints").glob("step_*")):
+        for key, value in load_file(str(checkpoint / "model.safetensors")).items():
+            assert torch.isfinite(value).all(), f"{checkpoint.name}: {key} is not finite"
+        checked.append(checkpoint.name)
+    return checked
+
+
+@pytest.mark.parametrize("fault, what", [("loss", "the loss"), ("gradient", "a gradient")])
+def test_nonfinite_update_stops_the_run_naming_update_and_last_good_checkpoint(fault, what, monkeypatch, tmp_path, capsys):
+    _poison_criterion(monkeypatch, {5: fault})
+    run_dir = tmp_path / "run"
+    assert train.main([*TINY, "--run-dir", str(run_dir), "--save-every", "2"]) == 2
+    last_good = run_dir / "checkpoints" / "step_00000004"
+    assert _error_line(capsys.readouterr().err) == (
+        f"error: update 5 (epoch 1): {what} is not finite; stopped before it could reach the weights; last good "
+        f"checkpoint: {last_good}. Lower --lr or set --clip-grad, or pass --skip-nonfinite to skip such updates"
+    )
+    assert _all_checkpoint_weights_finite(run_dir) == ["step_00000002", "step_00000004"]
+
+
+def test_skip_nonfinite_skips_counts_and_prints_the_skipped_updates(monkeypatch, tmp_path, capsys):
+    _poison_criterion(monkeypatch, {3: "loss", 8: "gradient"})
+    run_dir = tmp_path / "run"
+    assert train.main([*TINY, "--run-dir", str(run_dir), "--skip-nonfinite"]) == 0
+    out = capsys.readouterr().out
+    assert "update 3: non-finite loss or gradient, skipped" in out
+    assert "update 7: non-finite loss or gradient, skipped" in out  # the 8th batch, after one skipped update
+    assert "2 update(s) skipped for a non-finite loss or gradient" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["skipped_updates"] == 2
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["update"] for m in metrics] == [5, 10]  # 12 batches, 2 of them skipped
+    assert [m["train_images"] for m in metrics] == [80, 80]  # the skipped batches' images are not counted
+    assert all(np.isfinite(m["train_loss"]) for m in metrics)
+    assert _all_checkpoint_weights_finite(run_dir) == ["step_00000005", "step_00000010"]
+    assert all(torch.isfinite(value).all() for value in weights_of(run_dir).values())
+
+
+def test_weights_that_overflow_are_never_saved(monkeypatch, tmp_path, capsys):
+    """A finite loss and gradient can still overflow the weights (here an SGD step of lr 1e30 x a gradient
+    1e10 times too large): the save refuses them. The updates before it change nothing (zero loss), and
+    update 4 is saved at once, before a forward could see its weights."""
+    _poison_criterion(monkeypatch, {1: "zero", 2: "zero", 3: "zero", 4: "huge"})
+    run_dir = tmp_path / "run"
+    args = ["--opt", "sgd", "--lr", "1e30", "--clip-grad", "none", "--weight-decay", "0", "--warmup-epochs", "0"]
+    assert train.main([*TINY, *args, "--run-dir", str(run_dir), "--save-every", "2"]) == 2
+    assert _error_line(capsys.readouterr().err) == (
+        "error: after update 4 (epoch 1) the weights are not finite; nothing was saved; last good checkpoint: "
+        f"{run_dir / 'checkpoints' / 'step_00000002'}. Lower --lr"
+    )
+    assert _all_checkpoint_weights_finite(run_dir) == ["step_00000002"]
+
+
+# -- smaller promises ---------------------------------------------------------------------------------
+def test_resume_of_a_finished_run_keeps_its_summary(tiny_run):
+    run_dir, _ = tiny_run
+    summary = run_dir / "summary.json"
+    before = (summary.read_bytes(), summary.stat().st_mtime_ns)
+    result = run_train(*TINY, "--run-dir", str(run_dir), "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (summary.read_bytes(), summary.stat().st_mtime_ns) == before
+
+
+def test_resume_with_another_model_is_one_line_naming_the_setting(tiny_run, capsys):
+    run_dir, _ = tiny_run
+    before = snapshot(run_dir)
+    assert train.main([*TINY, "--run-dir", str(run_dir), "--resume", "--embed-dim", "8"]) == 2
+    checkpoint = run_dir / "checkpoints" / "step_00000012"
+    assert _error_line(capsys.readouterr().err) == (
+        f"error: cannot resume from {checkpoint}: it holds another model (30 tensor(s) differ, e.g. blocks.0.attn.proj.bias: "
+        "(16,) in the checkpoint, (8,) here); changed model settings: embed_dim: 16 -> 8. Resume with the run's "
+        "settings, or start a new --run-dir"
+    )
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["linear", "axial"])
+def test_bf16_training_at_4096_tokens_keeps_a_finite_loss(attn):
+    """50 AdamW updates under bf16 autocast on a 64 x 64 grid (4,096 tokens, patch 1) at width 16: the
+    sums over 4,096 tokens stay finite, and the loss of the fixed batch falls."""
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "visattn_vit_tiny_patch16", img_size=64, patch_size=1, embed_dim=16, depth=1, num_heads=2, num_classes=10,
+        attn=attn,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    images, targets = torch.randn(1, 3, 64, 64), torch.tensor([3])
+    losses = []
+    for _ in range(50):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(images).float(), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(np.isfinite(losses)), losses
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_same_command_and_seed_give_identical_weights(tiny_run, tmp_path):
+    """The determinism the README promises: the same command, seed and thread count, bit for bit."""
+    run_dir, _ = tiny_run
+    again = tmp_path / "again"
+    result = run_train(*TINY, "--run-dir", str(again), "--save-every", "4", "--keep-checkpoints", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_weights(weights_of(again), weights_of(run_dir), tol=0.0)
+    assert_same_weights(weights_of(again, "best"), weights_of(run_dir, "best"), tol=0.0)

@@ -23,8 +23,10 @@ import torch
 import torch.nn as nn
 
 from visattn.layers.cost import MixingMemory, TokenLayout
-from visattn.ops._checks import check_grid, check_grid_size
+from visattn.ops._checks import check_grid, check_grid_size, check_nonnegative_int
 from visattn.ops._layout import merge_heads, split_qkv
+
+_AUTOCAST_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 
 
 class GridAttention(nn.Module, ABC):
@@ -82,10 +84,9 @@ class GridAttention(nn.Module, ABC):
     def set_grid(self, grid: tuple[int, int], num_prefix_tokens: int = 0) -> None:
         """Tell the layer the patch grid (H, W) and how many prefix tokens precede the patches."""
         h, w = check_grid_size(grid, "grid", self.name)
-        if num_prefix_tokens < 0:
-            raise ValueError(f"{self.name}: num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+        check_nonnegative_int(num_prefix_tokens, "num_prefix_tokens", self.name)
         self.grid = (h, w)
-        self.num_prefix_tokens = int(num_prefix_tokens)
+        self.num_prefix_tokens = num_prefix_tokens
 
     def _checked_grid(self, num_tokens: int) -> tuple[int, int] | None:
         if not self.needs_grid:
@@ -104,6 +105,13 @@ class GridAttention(nn.Module, ABC):
         """x: (B, N, C) with N = num_prefix_tokens + H * W -> (B, N, C)."""
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"{self.name}: x must be (B, N, {self.dim}), got shape {tuple(x.shape)}")
+        weight = self.qkv.weight
+        autocast_casts = torch.is_autocast_enabled(x.device.type) and {x.dtype, weight.dtype} <= _AUTOCAST_DTYPES
+        if x.dtype != weight.dtype and not autocast_casts:
+            raise ValueError(
+                f"{self.name}: x is {x.dtype} but the layer's weights are {weight.dtype}; convert one to the other "
+                "or run under torch.autocast (which casts fp32, fp16 and bf16, not fp64)"
+            )
         if attn_mask is not None and not self.supports_attn_mask:
             raise ValueError(f"{self.name}: attn_mask is not supported; only attn='softmax' accepts a mask")
         if is_causal and not self.supports_causal:

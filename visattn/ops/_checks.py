@@ -1,7 +1,21 @@
 """Shape checks shared by the ops. Each raises ValueError naming the offending values."""
 from __future__ import annotations
 
+import operator
+
 import torch
+
+
+def check_same_float_tensors(op: str, **tensors: torch.Tensor) -> None:
+    """The tensors must share one floating-point dtype and one device (the kernels mix neither)."""
+    dtypes = {t.dtype for t in tensors.values()}
+    devices = {t.device for t in tensors.values()}
+    if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
+        got = ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
+        raise ValueError(f"{op}: {', '.join(tensors)} must share one floating-point dtype; got {got}")
+    if len(devices) > 1:
+        got = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
+        raise ValueError(f"{op}: {', '.join(tensors)} must be on one device; got {got}")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str) -> None:
@@ -15,6 +29,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str) -> Non
         )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{op}: q and k must share head_dim; got {q.shape[-1]} and {k.shape[-1]}")
+    check_same_float_tensors(op, q=q, k=k, v=v)
 
 
 def check_qkv_grid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str) -> None:
@@ -28,6 +43,7 @@ def check_qkv_grid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str) -
         )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{op}: q and k must share head_dim; got {q.shape[-1]} and {k.shape[-1]}")
+    check_same_float_tensors(op, q=q, k=k, v=v)
 
 
 def check_packed_qkv(qkv: torch.Tensor, num_heads: int, op: str) -> None:
@@ -36,20 +52,24 @@ def check_packed_qkv(qkv: torch.Tensor, num_heads: int, op: str) -> None:
         raise ValueError(
             f"{op}: qkv must be (B, N, 3 * C) with C divisible by num_heads={num_heads}, got {tuple(qkv.shape)}"
         )
+    check_same_float_tensors(op, qkv=qkv)
 
 
 def check_grid_size(grid: tuple[int, int], name: str, op: str) -> tuple[int, int]:
-    """A grid must be (H, W) with H, W >= 1; returns it as two ints."""
-    if len(grid) != 2 or any(int(g) < 1 for g in grid):
-        raise ValueError(f"{op}: {name} must be (H, W) with H, W >= 1, got {tuple(grid)}")
-    return int(grid[0]), int(grid[1])
+    """A grid must be (H, W) of integers H, W >= 1; returns it as two ints."""
+    try:
+        h, w = (operator.index(g) for g in grid)  # integers only: a float side is refused, never truncated
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: {name} must be (H, W) with integers H, W >= 1, got {grid!r}") from None
+    if h < 1 or w < 1:
+        raise ValueError(f"{op}: {name} must be (H, W) with integers H, W >= 1, got {grid!r}")
+    return h, w
 
 
 def check_grid(grid: tuple[int, int], num_tokens: int, num_prefix_tokens: int, op: str) -> tuple[int, int]:
     """The token count must be prefix tokens + H * W."""
     h, w = check_grid_size(grid, "grid", op)
-    if num_prefix_tokens < 0:
-        raise ValueError(f"{op}: num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+    check_nonnegative_int(num_prefix_tokens, "num_prefix_tokens", op)
     if num_prefix_tokens + h * w != num_tokens:
         raise ValueError(
             f"{op}: N={num_tokens} tokens do not match num_prefix_tokens={num_prefix_tokens} + "
@@ -67,3 +87,8 @@ def check_positive_int(value: int, name: str, op: str, odd: bool = False) -> Non
     if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (odd and value % 2 == 0):
         kind = "an odd integer >= 1" if odd else "an integer >= 1"
         raise ValueError(f"{op}: {name} must be {kind}, got {value!r}")
+
+
+def check_dropout(dropout_p: float, op: str) -> None:
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{op}: dropout_p must be a probability in [0, 1], got {dropout_p!r}")

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from visattn.ops._checks import check_grid_size, check_positive_int, check_qkv
+from visattn.ops._checks import check_dropout, check_grid_size, check_positive_int, check_qkv
 from visattn.ops._naive import naive_masked_attn
 
 
@@ -63,6 +63,7 @@ def linformer_attn(
         (B, heads, N, d)
     """
     check_qkv(q, k, v, "linformer_attn")
+    check_dropout(dropout_p, "linformer_attn")
     _check_projections(q, proj_k, proj_v, num_prefix_tokens, "linformer_attn")
     p = num_prefix_tokens
     k_proj = proj_k.to(k.dtype) @ k[:, :, p:]  # (k, HW) @ (B, heads, HW, d) -> (B, heads, k, d)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_grid, check_nonnegative_int, check_positive_int, check_qkv
+from visattn.ops._checks import check_dropout, check_grid, check_nonnegative_int, check_positive_int, check_qkv
 from visattn.ops._naive import naive_masked_attn
 from visattn.ops.local import AxisPlan, blocked_axis, neighborhood_axis, tiled_local_attn
 from visattn.ops.neighborhood import neighborhood_mask
@@ -69,6 +69,7 @@ def longformer_attn(
         (B, heads, N, d)
     """
     check_qkv(q, k, v, "longformer_attn")
+    check_dropout(dropout_p, "longformer_attn")
     check_nonnegative_int(num_global_tokens, "num_global_tokens", "longformer_attn")
     H, W = check_grid(grid, q.shape[2], num_global_tokens, "longformer_attn")
     check_local_options(local, kernel_size, block_size, halo, tile_size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_positive_int, check_qkv_grid
+from visattn.ops._checks import check_dropout, check_positive_int, check_qkv_grid
 from visattn.ops._naive import naive_grid_attn, separable_grid_mask
 from visattn.ops.local import local_attn_on_grid, neighborhood_axis
 
@@ -39,6 +39,7 @@ def neighborhood_attn(
         (B, heads, H, W, d)
     """
     check_qkv_grid(q, k, v, "neighborhood_attn")
+    check_dropout(dropout_p, "neighborhood_attn")
     check_positive_int(kernel_size, "kernel_size", "neighborhood_attn", odd=True)
     check_positive_int(tile_size, "tile_size", "neighborhood_attn")
     H, W = q.shape[2:4]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from visattn.ops._checks import check_qkv
+from visattn.ops._checks import check_dropout, check_qkv
 from visattn.ops._naive import naive_masked_attn
 
 
@@ -27,6 +27,7 @@ def softmax_attn(
         (B, heads, N, d)
     """
     check_qkv(q, k, v, "softmax_attn")
+    check_dropout(dropout_p, "softmax_attn")
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
     )

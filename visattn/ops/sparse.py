@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_nonnegative_int, check_positive_int, check_qkv_grid
+from visattn.ops._checks import check_dropout, check_nonnegative_int, check_positive_int, check_qkv_grid
 from visattn.ops._naive import naive_grid_attn, separable_grid_mask
 from visattn.ops.local import blocked_axis, local_attn_on_grid
 
@@ -38,6 +38,7 @@ def sparse_attn(
         (B, heads, H, W, d)
     """
     check_qkv_grid(q, k, v, "sparse_attn")
+    check_dropout(dropout_p, "sparse_attn")
     check_positive_int(block_size, "block_size", "sparse_attn")
     check_nonnegative_int(halo, "halo", "sparse_attn")
     H, W = q.shape[2:4]

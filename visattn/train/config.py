@@ -125,6 +125,10 @@ class TrainConfig:
         default=0, metadata=_help("also checkpoint every this many optimizer updates (0: at epoch ends only)")
     )
     keep_checkpoints: int = field(default=2, metadata=_help("how many of the latest checkpoints to keep"))
+    skip_nonfinite: bool = field(
+        default=False,
+        metadata=_help("skip an update whose loss or gradient is not finite (counted, printed at the end) instead of stopping"),
+    )
     log_with: list[str] = field(default_factory=list, metadata=_help("accelerate trackers, e.g. tensorboard"))
 
     def __post_init__(self) -> None:

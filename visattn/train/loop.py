@@ -2,6 +2,7 @@
 best and last weights and an end-of-epoch checkpoint; the summary of a finished run."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,12 +12,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
+from safetensors import safe_open
 from timm.data import Mixup
 from timm.scheduler.scheduler import Scheduler
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from visattn.predict import BEST_WEIGHTS, LAST_WEIGHTS
+from visattn.predict import BEST_WEIGHTS, LAST_WEIGHTS, MODEL_FILE
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
 from visattn.train.config import TrainConfig, config_yaml
@@ -32,12 +34,89 @@ def write_run_files(run_dir: Path, config: TrainConfig, model_kwargs: dict[str, 
     ckpt.write_model_file(run_dir, config.model, model_kwargs, eval_data_config(config, splits), splits.named_classes())
 
 
+def check_checkpoint_model(accelerator: Accelerator, model: nn.Module, run_dir: Path, checkpoint: Path,
+                           model_kwargs: dict[str, Any]) -> None:
+    """Before ``--resume`` loads ``checkpoint``: a RunDirError in one line when its weights do not fit this
+    config's model, naming the model settings that changed since the run started (its model.json)."""
+    weights = checkpoint / "model.safetensors"
+    if not weights.is_file():
+        return  # what is missing is reported by the load itself
+    with safe_open(str(weights), framework="pt") as saved:
+        saved_shapes = {key: tuple(saved.get_slice(key).get_shape()) for key in saved.keys()}
+    shapes = {key: tuple(value.shape) for key, value in accelerator.unwrap_model(model).state_dict().items()}
+    if saved_shapes == shapes:
+        return
+    differing = sorted(key for key in saved_shapes.keys() | shapes.keys() if saved_shapes.get(key) != shapes.get(key))
+    first = differing[0]
+    try:
+        saved_kwargs = json.loads((run_dir / MODEL_FILE).read_text())["kwargs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        saved_kwargs = {}  # the shapes alone then say that the model differs
+    as_json = json.loads(json.dumps(model_kwargs))  # tuples as lists, as model.json holds them
+    changed = [f"{key}: {saved_kwargs[key]} -> {value}" for key, value in as_json.items()
+               if key in saved_kwargs and saved_kwargs[key] != value]
+    raise ckpt.RunDirError(
+        f"cannot resume from {checkpoint}: it holds another model ({len(differing)} tensor(s) differ, e.g. {first}: "
+        f"{saved_shapes.get(first, 'absent')} in the checkpoint, {shapes.get(first, 'absent')} here); "
+        f"{'changed model settings: ' + '; '.join(changed) if changed else 'no model setting changed'}. "
+        "Resume with the run's settings, or start a new --run-dir"
+    )
+
+
 def new_trainer_state(num_processes: int) -> dict[str, Any]:
-    """Where the run stands; JSON in every checkpoint. ``batch``: batches of ``epoch`` already trained."""
+    """Where the run stands; JSON in every checkpoint. ``batch``: batches of ``epoch`` already trained;
+    ``skipped_updates``: updates left out under ``--skip-nonfinite``."""
     return dict(
         epoch=0, batch=0, update=0, num_processes=num_processes, best_acc=None, best_epoch=None, history=[],
-        partial_loss_sum=0.0, partial_samples=0, partial_train_time=0.0,
+        partial_loss_sum=0.0, partial_samples=0, partial_train_time=0.0, skipped_updates=0,
     )
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or weight is not finite; the message names the update and the last good checkpoint."""
+
+
+def _last_good_checkpoint(run_dir: Path) -> str:
+    checkpoints = ckpt.list_checkpoints(run_dir)
+    return f"last good checkpoint: {checkpoints[-1]}" if checkpoints else "no checkpoint written yet"
+
+
+def nonfinite_update(run: Training, loss_is_finite: torch.Tensor) -> bool:
+    """Whether the update about to be applied has a non-finite loss (``loss_is_finite``: a bool tensor over
+    its micro-batches) or gradient, on any process. Under fp16 mixed precision the gradients are left to
+    accelerate's gradient scaler, which skips the steps whose scaled gradients overflow."""
+    accelerator = run.accelerator
+    bad = (~loss_is_finite).to(accelerator.device, torch.float32)
+    if accelerator.scaler is None:
+        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+        if grads:
+            bad = bad + (~torch.stack(torch._foreach_norm(grads)).isfinite()).any().float()
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad, reduction="sum")
+    return bool(bad.item())
+
+
+def refuse_nonfinite(run: Training, what: str, progress: tqdm) -> None:
+    """Stops the run, saying which update went wrong and where to resume from (below the closed progress bar)."""
+    progress.close()
+    state = run.state
+    raise NonFiniteError(
+        f"update {state['update'] + 1} (epoch {state['epoch'] + 1}): {what} is not finite; stopped before it could "
+        f"reach the weights; {_last_good_checkpoint(run.run_dir)}. Lower --lr or set --clip-grad, or pass "
+        "--skip-nonfinite to skip such updates"
+    )
+
+
+def check_finite_weights(run: Training, progress: tqdm | None = None) -> None:
+    """Refuses to save weights that are not finite (an update with finite gradients can still overflow them)."""
+    params = [p.detach() for p in run.model.parameters()]
+    if not torch.stack(torch._foreach_norm(params)).isfinite().all():
+        if progress is not None:
+            progress.close()
+        raise NonFiniteError(
+            f"after update {run.state['update']} (epoch {run.state['epoch'] + 1}) the weights are not finite; "
+            f"nothing was saved; {_last_good_checkpoint(run.run_dir)}. Lower --lr"
+        )
 
 
 @torch.no_grad()
@@ -88,24 +167,41 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
                     disable=not accelerator.is_local_main_process, dynamic_ncols=True)
     tick = shown = time.perf_counter()
     shown -= POSTFIX_SECONDS  # the first step's loss is shown at once
+    # the update's micro-batches so far: whether every loss was finite, and their (loss sum, images), added
+    # to ``sums`` once the update is applied
+    loss_is_finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
+    pending = torch.zeros_like(sums)
     for batch_index, (images, targets) in enumerate(batches, start=skip):
         if run.mixup is not None:
             images, targets = run.mixup(images, targets)
         with accelerator.accumulate(run.model):
             loss = run.criterion(run.model(images), targets)
             accelerator.backward(loss)
-            if accelerator.sync_gradients and config.clip_grad is not None:
+            loss_is_finite &= loss.detach().isfinite()
+            skipped = accelerator.sync_gradients and nonfinite_update(run, loss_is_finite)
+            if skipped and not config.skip_nonfinite:
+                refuse_nonfinite(run, "a gradient" if loss_is_finite.item() else "the loss", progress)
+            if accelerator.sync_gradients and config.clip_grad is not None and not skipped:
                 accelerator.clip_grad_norm_(run.model.parameters(), config.clip_grad)
-            run.optimizer.step()
+            if not skipped:
+                run.optimizer.step()
             run.optimizer.zero_grad()
-        sums[0] += loss.detach().double() * len(images)
-        sums[1] += len(images)
+        pending[0] += loss.detach().double() * len(images)
+        pending[1] += len(images)
+        if accelerator.sync_gradients:
+            if skipped:
+                state["skipped_updates"] = state.get("skipped_updates", 0) + 1
+                accelerator.print(f"update {state['update'] + 1}: non-finite loss or gradient, skipped")
+            else:
+                sums += pending
+            pending.zero_()
+            loss_is_finite.fill_(True)
         progress.update(1)
         if time.perf_counter() - shown >= POSTFIX_SECONDS or batch_index + 1 == len(loader):
             # by time, not every step: reading the loss waits for the device
             progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{run.optimizer.param_groups[0]['lr']:.2e}")
             shown = time.perf_counter()
-        if not accelerator.sync_gradients:
+        if not accelerator.sync_gradients or skipped:
             continue
         state["update"] += 1
         run.scheduler.step_update(state["update"])
@@ -115,6 +211,7 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
             totals = accelerator.reduce(sums, reduction="sum")
             state.update(batch=batch_index + 1, partial_loss_sum=totals[0].item(),
                          partial_samples=int(totals[1].item()), partial_train_time=train_time)
+            check_finite_weights(run, progress)
             ckpt.save_checkpoint(accelerator, run.run_dir, state, config.keep_checkpoints)
             tick = time.perf_counter()
     progress.close()
@@ -128,10 +225,10 @@ def finish_epoch(run: Training, epoch: int, loss_sum: float, images: int, train_
     accelerator, state = run.accelerator, run.state
     peak_mib, mem_kind = run_log.peak_memory_mib(accelerator.device)
     record = dict(
-        epoch=epoch + 1, update=state["update"], train_loss=loss_sum / images,
+        epoch=epoch + 1, update=state["update"], train_loss=loss_sum / images if images else float("nan"),
         **evaluate(accelerator, run.model, run.eval_loader),
         lr=run.optimizer.param_groups[0]["lr"], train_images=images, train_time_s=train_time,
-        images_per_s=images / train_time, peak_mem_mib=peak_mib, mem_kind=mem_kind,
+        images_per_s=images / train_time if images else 0.0, peak_mem_mib=peak_mib, mem_kind=mem_kind,
     )
     state["history"].append(record)
     accelerator.print(
@@ -139,6 +236,7 @@ def finish_epoch(run: Training, epoch: int, loss_sum: float, images: int, train_
         f"eval acc {100 * record['eval_acc']:.2f}%, {record['images_per_s']:.0f} img/s, lr {record['lr']:.2e}, "
         f"peak mem {peak_mib:.0f} MiB"
     )
+    check_finite_weights(run)
     if state["best_acc"] is None or record["eval_acc"] > state["best_acc"]:
         state.update(best_acc=record["eval_acc"], best_epoch=epoch + 1)
         ckpt.save_weights(accelerator, run.model, run.run_dir / BEST_WEIGHTS)
@@ -157,5 +255,5 @@ def summarize(run: Training, seconds: float) -> dict[str, Any]:
         test_acc=history[-1]["eval_acc"], best_acc=run.state["best_acc"], best_epoch=run.state["best_epoch"],
         images_per_s=sum(r["train_images"] for r in history) / sum(r["train_time_s"] for r in history),
         peak_mem_mib=max(r["peak_mem_mib"] for r in history), mem_kind=history[-1]["mem_kind"],
-        wall_time_s=seconds,
+        wall_time_s=seconds, skipped_updates=run.state.get("skipped_updates", 0),
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from visattn.ops._checks import check_grid, check_packed_qkv, check_qkv
+from visattn.ops._checks import check_dropout, check_grid, check_packed_qkv, check_qkv
 from visattn.ops._layout import merge_heads, split_qkv
 from visattn.ops.axial.cpu_kernels import CPUKernelsAxialAttention, PackedCPUKernelsAxialAttention
 from visattn.ops.axial.hops import rows_then_columns
@@ -64,6 +64,7 @@ def axial_attn(
         (B, heads, N, d), a view of a token-major (B, N, heads, d) tensor.
     """
     check_qkv(q, k, v, "axial_attn")
+    check_dropout(dropout_p, "axial_attn")
     h, _ = check_grid(grid, q.shape[2], num_prefix_tokens, "axial_attn")
     name = _select("axial_attn", q, dropout_p, needs_autograd(q, k, v), backend)
     args = (q, k, v, h, num_prefix_tokens, dropout_p, scale)
@@ -86,6 +87,7 @@ def packed_axial_attn(
     d = C / num_heads) -> (B, N, C), heads merged. On the ``"cpu_kernels"`` path the gradient is one
     (B, N, 3 C) tensor."""
     check_packed_qkv(qkv, num_heads, "packed_axial_attn")
+    check_dropout(dropout_p, "packed_axial_attn")
     h, _ = check_grid(grid, qkv.shape[1], num_prefix_tokens, "packed_axial_attn")
     name = _select("packed_axial_attn", qkv, dropout_p, needs_autograd(qkv), backend)
     if name == "cpu_kernels":

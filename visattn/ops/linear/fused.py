@@ -7,9 +7,25 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from visattn.ops._checks import check_positive_int
 from visattn.ops._layout import split_heads
 from visattn.ops.linear.blocked import TokenBlocks, attend, kv_state
 from visattn.ops.linear.feature_maps import get_feature_map
+
+
+def _check_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> None:
+    op = "fused_qkv_linear_attn"
+    if x.ndim != 3:
+        raise ValueError(f"{op}: x must be (B, N, C_in), got shape {tuple(x.shape)}")
+    if weight.ndim != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] % 3:
+        raise ValueError(
+            f"{op}: qkv_weight must be (3 C, C_in) with C_in={x.shape[-1]}, got shape {tuple(weight.shape)}"
+        )
+    check_positive_int(num_heads, "num_heads", op)
+    if (weight.shape[0] // 3) % num_heads:
+        raise ValueError(f"{op}: num_heads={num_heads} must divide C={weight.shape[0] // 3}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{op}: qkv_bias must be None or ({weight.shape[0]},), got shape {tuple(bias.shape)}")
 
 
 def fused_qkv_linear_attn(
@@ -41,6 +57,7 @@ def fused_qkv_linear_attn(
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, qkv_weight) if t is not None):
         raise ValueError("fused_qkv_linear_attn: inference only; use the qkv projection and linear_attn() for autograd")
+    _check_projection(x, qkv_weight, qkv_bias, num_heads)
     phi = get_feature_map(feature_map)
     batch, n, _ = x.shape
     dim = qkv_weight.shape[0] // 3

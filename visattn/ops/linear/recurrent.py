@@ -3,7 +3,28 @@ from __future__ import annotations
 
 import torch
 
+from visattn.ops._checks import check_same_float_tensors
 from visattn.ops.linear.feature_maps import get_feature_map
+
+
+def _check_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None
+) -> None:
+    op = "linear_attn_step"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 3:
+            raise ValueError(f"{op}: {name} must be (B, heads, d), got shape {tuple(t.shape)}")
+    if q.shape != k.shape or q.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"{op}: q and k must be (B, heads, d) and v (B, heads, e) alike; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)} (q and k must share head_dim)"
+        )
+    check_same_float_tensors(op, q=q, k=k, v=v)
+    if state is not None:
+        expected = ((*k.shape, v.shape[-1]), tuple(k.shape))
+        if len(state) != 2 or tuple(state[0].shape) != expected[0] or tuple(state[1].shape) != expected[1]:
+            got = [tuple(s.shape) for s in state] if isinstance(state, (tuple, list)) else state
+            raise ValueError(f"{op}: state must be (S, z) of shapes {expected[0]} and {expected[1]}, got {got}")
 
 
 def linear_attn_step(
@@ -23,6 +44,7 @@ def linear_attn_step(
     Returns:
         the output (B, heads, d) and the new state.
     """
+    _check_step(q, k, v, state)
     phi = get_feature_map(feature_map)
     with torch.autocast(device_type=q.device.type, enabled=False):
         qf, kf, vf = phi(q.float()), phi(k.float()), v.float()
