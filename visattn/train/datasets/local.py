@@ -96,7 +96,7 @@ SPECS = (
         load=lambda source: load_digits_splits(source.eval_fraction),
     ),
     DatasetSpec(
-        name="imagefolder", title="image folder", reader="torchvision.datasets.ImageFolder", default_img_size=224,
+        name="imagefolder", title="image folder", reader="torchvision.datasets.ImageFolder", default_img_size=512,
         official_splits="train/ + val/ or test/ (+ both), or one folder (a stratified eval_fraction is held out)",
         load=lambda source: load_imagefolder_splits(str(source.root), source.eval_fraction),
     ),
