@@ -87,7 +87,8 @@ def fake_cifar10(root: Path, monkeypatch: pytest.MonkeyPatch) -> Fake:
 
 
 def fake_cifar100(root: Path, monkeypatch: pytest.MonkeyPatch) -> Fake:
-    return _fake_cifar(root, monkeypatch, CIFAR100, "fine_labels", "fine_label_names", ("apple", "aquarium_fish", "baby"))
+    names = ("apple", "aquarium_fish", "baby")
+    return _fake_cifar(root, monkeypatch, CIFAR100, "fine_labels", "fine_label_names", names)
 
 
 # -- STL-10: raw uint8 arrays, (N, 3, 96, 96) stored column-major per image, md5-checked ---------------

@@ -48,7 +48,10 @@ class TrainConfig:
     dataset: str = field(default="digits", metadata=_help(f"one of {', '.join(DATASETS)}"))
     data_dir: str | None = field(
         default=None,
-        metadata=_help("root of a downloadable dataset (none: ./data) or ImageFolder root (with train/ and val/ or test/, or one folder per class)"),
+        metadata=_help(
+            "root of a downloadable dataset (none: ./data) or ImageFolder root (with train/ and val/ or test/, "
+            "or one folder per class)"
+        ),
     )
     img_size: int | list[int] | None = field(
         default=None, metadata=_help("image side, or H,W; images are resized to it (none: the dataset's default size)")

@@ -97,7 +97,10 @@ SPECS = (
     ),
     DatasetSpec(
         name="imagefolder", title="image folder", reader="torchvision.datasets.ImageFolder", default_img_size=512,
-        official_splits="train/ + val/ or test/ (+ both), or one folder (a stratified eval_fraction is held out)",
+        official_splits=(
+            "train/ + val/ or test/ (with both, val/ validates and test/ is evaluated), "
+            "or one folder (a stratified eval_fraction is held out)"
+        ),
         load=lambda source: load_imagefolder_splits(str(source.root), source.eval_fraction),
     ),
 )
