@@ -203,3 +203,17 @@ def test_the_readme_has_a_line_per_dataset_with_its_recipe_and_fetch_command():
         assert f"`{spec.reader}`" in row and f"{spec.default_img_size} px" in row and f"`configs/{name}.yaml`" in row
         if spec.download_size is not None:
             assert f"`{spec.fetch_command('DIR')}`" in row
+
+
+def test_an_image_folder_with_train_val_and_test_folders_validates_on_val_and_evaluates_on_test(tmp_path):
+    from PIL import Image
+
+    for split, per_class in (("train", 4), ("val", 2), ("test", 3)):
+        for label, name in enumerate(("cats", "dogs")):
+            folder = tmp_path / split / name
+            folder.mkdir(parents=True)
+            for number in range(per_class):
+                Image.new("RGB", (12, 10), CLASS_COLOURS[label]).save(folder / f"{number}.png")
+    splits = load_splits(make_config({"dataset": "imagefolder", "data_dir": str(tmp_path)}))
+    assert (len(splits.train), len(splits.val), len(splits.eval)) == (8, 4, 6)
+    assert splits.classes == ("cats", "dogs") and Path(splits.eval.root).name == "test"
