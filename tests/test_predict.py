@@ -89,9 +89,9 @@ def test_model_json_records_the_evaluation_transform_and_class_names(tiny_run, r
 
 def test_image_folder_class_names_are_the_folder_names(tmp_path):
     config = TrainConfig(dataset="imagefolder", data_dir=str(_image_folder(tmp_path, "flat")), img_size=16, patch_size=4)
-    assert load_splits(config).class_names == ("cats", "dogs", "owls")
+    assert load_splits(config).classes == ("cats", "dogs", "owls")
     with pytest.raises(ValueError, match="2 class names for 3 classes"):
-        DataSplits(train=[], eval=[], num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3, class_names=("a", "b"))
+        DataSplits(train=[], eval=[], num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3, classes=("a", "b"))
 
 
 # -- predictions ----------------------------------------------------------------------------------

@@ -3,18 +3,9 @@ is kept for one release."""
 from visattn._moved import warn_moved
 from visattn.train.augment import check_auto_augment
 from visattn.train.config import ConfigError, TrainConfig
-from visattn.train.data import (
-    SPLIT_SEED,
-    DataError,
-    DataSplits,
-    DigitsDataset,
-    TransformedDataset,
-    build_transform,
-    load_cifar_splits,
-    load_digits_splits,
-    load_imagefolder_splits,
-    load_splits,
-)
+from visattn.train.data import SPLIT_SEED, DataError, DataSplits, TransformedDataset, build_transform, load_splits
+from visattn.train.datasets.local import DigitsDataset, load_digits_splits, load_imagefolder_splits
+from visattn.train.datasets.public import load_torchvision_splits as load_cifar_splits
 
 warn_moved(__name__, "visattn.train.data")
 

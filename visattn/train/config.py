@@ -23,9 +23,10 @@ from timm.optim import list_optimizers
 from visattn.layers import list_attentions
 from visattn.layers.options import load_yaml
 from visattn.train.augment import check_auto_augment
+from visattn.train.datasets import DATASET_SPECS
 from visattn.train.fieldtypes import matches, type_name
 
-DATASETS = ("digits", "cifar10", "cifar100", "imagefolder")
+DATASETS = tuple(DATASET_SPECS)
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "wsd", "rsqrt", "constant")
 GLOBAL_POOLS = ("avg", "token", "max", "avgmax", "map")
@@ -47,11 +48,17 @@ class TrainConfig:
     dataset: str = field(default="digits", metadata=_help(f"one of {', '.join(DATASETS)}"))
     data_dir: str | None = field(
         default=None,
-        metadata=_help("CIFAR root (none: ./data) or ImageFolder root (with train/ and val/ or test/, or one folder per class)"),
+        metadata=_help(
+            "root of a downloadable dataset (none: ./data) or ImageFolder root (with train/ and val/ or test/, "
+            "or one folder per class)"
+        ),
     )
-    img_size: int | list[int] = field(default=16, metadata=_help("image side, or H,W; images are resized to it"))
+    img_size: int | list[int] | None = field(
+        default=None, metadata=_help("image side, or H,W; images are resized to it (none: the dataset's default size)")
+    )
     eval_fraction: float = field(
-        default=0.2, metadata=_help("held-out share for digits and for an ImageFolder without a train/val split")
+        default=0.2,
+        metadata=_help("held-out test share for datasets without a test split (digits, EuroSAT, a one-folder ImageFolder)"),
     )
     max_train_samples: int | None = field(default=None, metadata=_help("train on a fixed random subset of this size"))
     max_eval_samples: int | None = field(default=None, metadata=_help("evaluate on a fixed random subset of this size"))
@@ -134,6 +141,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, _checked(f.name, getattr(self, f.name), FIELD_TYPES[f.name]))
+        if self.img_size is None and self.dataset in DATASET_SPECS:
+            self.img_size = DATASET_SPECS[self.dataset].default_img_size
         check_values(self)
 
     # -- derived values -------------------------------------------------------------------------

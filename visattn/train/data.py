@@ -1,12 +1,8 @@
-"""Datasets and transforms for training: the embedded digits, CIFAR-10/100 and any ImageFolder.
+"""Datasets and transforms for training: the dataset of a config (by name, from
+:data:`visattn.train.datasets.DATASET_SPECS`), limited to a fixed subset if asked, and timm's transforms.
 
-The embedded default is scikit-learn's handwritten digits (``sklearn.datasets.load_digits``): 1,797
-real 8x8 grey-level scans of the digits 0-9 (the UCI optdigits test set) that ship inside the
-scikit-learn wheel (part of the ``visattn[train]`` install), so a run needs no download. They are
-split once, stratified, with a fixed seed (80/20 by default), and resized like every other dataset
-to the image size the patch grid asks for.
-
-Every dataset yields PIL RGB images; timm's ``create_transform`` turns them into tensors. Training
+Every dataset yields PIL RGB images; timm's ``create_transform`` turns them into tensors, resized to the
+image size the patch grid asks for. Training
 augmentation draws its randomness from a seed fixed by (run seed, epoch, sample index), not from the
 process RNG, so the augmented images do not depend on the number of processes, the number of
 workers, the batch a sample lands in, or whether the run was resumed midway through an epoch.
@@ -17,164 +13,32 @@ import dataclasses
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+from timm.data import create_transform
 from torch.utils.data import Dataset, Subset
-from torchvision.datasets import CIFAR10, CIFAR100, ImageFolder
 
 from visattn.train.config import TrainConfig
+from visattn.train.datasets import DATASET_SPECS, SPLIT_SEED, DataError, DataSource, DataSplits
 
-# Seed of the fixed splits and subsets: part of the dataset's definition, not of a run.
-SPLIT_SEED = 0
-
-_CIFAR = {
-    "cifar10": dict(
-        label="CIFAR-10", folder="cifar-10-batches-py", size="170 MB", num_classes=10,
-        mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616),
-    ),
-    "cifar100": dict(
-        label="CIFAR-100", folder="cifar-100-python", size="170 MB", num_classes=100,
-        mean=(0.5071, 0.4865, 0.4409), std=(0.2673, 0.2564, 0.2762),
-    ),
-}
-_EVAL_FOLDERS = ("val", "validation", "test")
-
-
-class DataError(Exception):
-    """The dataset asked for is not there or cannot be read; the message says how to get it."""
-
-
-@dataclass(frozen=True)
-class DataSplits:
-    """Train and evaluation images as (PIL RGB image, class index) pairs, before any transform.
-
-    ``class_names``: one name per class index, or empty where the dataset names none (the index is then
-    the name).
-    """
-
-    train: Dataset
-    eval: Dataset
-    num_classes: int
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
-    class_names: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.class_names and len(self.class_names) != self.num_classes:
-            raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes")
-
-    def named_classes(self) -> tuple[str, ...]:
-        """``class_names``, or the class indices as text where the dataset names none."""
-        return self.class_names or tuple(str(index) for index in range(self.num_classes))
-
-
-class DigitsDataset(Dataset):
-    """scikit-learn's 8x8 digits (grey levels 0-16) as PIL RGB images."""
-
-    def __init__(self, images: np.ndarray, labels: np.ndarray) -> None:
-        # (N, 8, 8) grey levels 0..16 -> uint8 0..255
-        self.images = np.rint(images * (255.0 / 16.0)).astype(np.uint8)
-        self.labels = labels.astype(np.int64)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
-        return Image.fromarray(self.images[index]).convert("RGB"), int(self.labels[index])
-
-
-def load_digits_splits(eval_fraction: float) -> DataSplits:
-    digits = load_digits()
-    x_train, x_eval, y_train, y_eval = train_test_split(
-        digits.images, digits.target, test_size=eval_fraction, stratify=digits.target, random_state=SPLIT_SEED
-    )
-    mean = float(x_train.mean() / 16.0)
-    std = float(x_train.std() / 16.0)
-    return DataSplits(
-        train=DigitsDataset(x_train, y_train), eval=DigitsDataset(x_eval, y_eval),
-        num_classes=10, mean=(mean,) * 3, std=(std,) * 3, class_names=tuple(str(digit) for digit in range(10)),
-    )
-
-
-def load_cifar_splits(name: str, data_dir: str | None, download: bool) -> DataSplits:
-    spec = _CIFAR[name]
-    root = Path(data_dir or "data")
-    if not download and not (root / spec["folder"]).is_dir():
-        raise DataError(
-            f"{spec['label']} was not found: expected {root / spec['folder']}. Pass --download to fetch it "
-            f"(about {spec['size']}) into {root}, or point --data-dir at the folder that holds {spec['folder']}."
-        )
-    cls = CIFAR10 if name == "cifar10" else CIFAR100
-    try:
-        train = cls(str(root), train=True, download=download)
-        evaluation = cls(str(root), train=False, download=False)
-    except RuntimeError as error:  # torchvision: "Dataset not found or corrupted"
-        raise DataError(
-            f"{spec['label']} in {root / spec['folder']} is incomplete or corrupted ({error}). Delete that "
-            "folder and pass --download to fetch it again."
-        ) from None
-    except OSError as error:
-        raise DataError(f"downloading {spec['label']} into {root} failed: {error}") from None
-    return DataSplits(
-        train=train, eval=evaluation, num_classes=spec["num_classes"], mean=spec["mean"], std=spec["std"],
-        class_names=tuple(train.classes),
-    )
-
-
-def load_imagefolder_splits(data_dir: str, eval_fraction: float) -> DataSplits:
-    """``data_dir/train`` + ``data_dir/{val,validation,test}``, or one folder split by ``eval_fraction``."""
-    root = Path(data_dir)
-    if not root.is_dir():
-        raise DataError(
-            f"image folder {root} does not exist. --data-dir must hold one sub-folder of images per class "
-            "(or train/ and val/ folders that each do)."
-        )
-    try:
-        if (root / "train").is_dir():
-            eval_dirs = [root / name for name in _EVAL_FOLDERS if (root / name).is_dir()]
-            if not eval_dirs:
-                raise DataError(f"{root} has train/ but no {', '.join(_EVAL_FOLDERS)} folder to evaluate on.")
-            train, evaluation = ImageFolder(str(root / "train")), ImageFolder(str(eval_dirs[0]))
-            if train.classes != evaluation.classes:
-                raise DataError(f"{root / 'train'} and {eval_dirs[0]} do not have the same class folders.")
-            class_names = train.classes
-        else:
-            full = ImageFolder(str(root))
-            indices = np.arange(len(full))
-            stratify = full.targets if min(np.bincount(full.targets)) >= 2 else None
-            train_idx, eval_idx = train_test_split(
-                indices, test_size=eval_fraction, stratify=stratify, random_state=SPLIT_SEED
-            )
-            train, evaluation = Subset(full, train_idx.tolist()), Subset(full, eval_idx.tolist())
-            class_names = full.classes
-    except (FileNotFoundError, ValueError) as error:  # ImageFolder: no class folders / no images
-        raise DataError(f"cannot read image folder {root}: {error}") from None
-    return DataSplits(
-        train=train, eval=evaluation, num_classes=len(class_names), mean=IMAGENET_DEFAULT_MEAN,
-        std=IMAGENET_DEFAULT_STD, class_names=tuple(class_names),
-    )
+__all__ = ["SPLIT_SEED", "DataError", "DataSplits", "TransformedDataset", "build_transform", "load_splits"]
 
 
 def load_splits(config: TrainConfig, download: bool = False) -> DataSplits:
-    """The dataset of ``config``, limited to ``max_*_samples``; DataError if it is not available."""
-    if config.dataset == "digits":
-        splits = load_digits_splits(config.eval_fraction)
-    elif config.dataset in _CIFAR:
-        splits = load_cifar_splits(config.dataset, config.data_dir, download)
-    else:
-        splits = load_imagefolder_splits(config.data_dir, config.eval_fraction)
-    return dataclasses.replace(
-        splits,
+    """The dataset of ``config``, limited to ``max_*_samples``; DataError if it is not available.
+
+    Only ``download`` fetches a missing dataset.
+    """
+    spec = DATASET_SPECS[config.dataset]
+    splits = spec.load(DataSource(data_dir=config.data_dir, download=download, eval_fraction=config.eval_fraction))
+    return DataSplits(
         train=_fixed_subset(splits.train, config.max_train_samples),
         eval=_fixed_subset(splits.eval, config.max_eval_samples),
+        val=None if splits.val is None else _fixed_subset(splits.val, config.max_eval_samples),
+        num_classes=splits.num_classes, mean=splits.mean, std=splits.std, classes=splits.classes,
     )
 
 

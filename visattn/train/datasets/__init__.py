@@ -1,0 +1,15 @@
+"""Every ``--dataset`` name, in one registry of :class:`DatasetSpec` (how its splits are read, its default
+image size, its official splits, how to fetch it).
+
+    spec.py      DatasetSpec, DataSplits, DataError, the fixed stratified cut of a missing split
+    local.py     what needs no download: the embedded digits, any ImageFolder
+    public.py    public datasets through their torchvision classes (CIFAR, STL-10, Flowers-102, Pets, ...)
+"""
+from visattn.train.datasets import local, public
+from visattn.train.datasets.spec import SPLIT_SEED, VAL_FRACTION, DataError, DataSource, DatasetSpec, DataSplits
+
+DATASET_SPECS: dict[str, DatasetSpec] = {spec.name: spec for spec in (*local.SPECS, *public.SPECS)}
+
+__all__ = [
+    "DATASET_SPECS", "SPLIT_SEED", "VAL_FRACTION", "DataError", "DataSource", "DatasetSpec", "DataSplits",
+]
