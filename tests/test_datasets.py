@@ -17,7 +17,7 @@ from torch.utils.data import Subset
 import visattn  # noqa: F401  (registers the visattn_vit_* models with timm)
 from tests.fake_datasets import CLASS_COLOURS, FAKES, make_fake
 from visattn.train.cli import parse_args
-from visattn.train.config import DATASETS, TrainConfig, make_config
+from visattn.train.config import DATASETS, make_config
 from visattn.train.data import DataError, TransformedDataset, build_transform, load_splits
 from visattn.train.datasets import DATASET_SPECS
 from visattn.train.datasets.public import READERS

@@ -9,7 +9,6 @@ workers, the batch a sample lands in, or whether the run was resumed midway thro
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
