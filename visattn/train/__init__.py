@@ -8,7 +8,8 @@
     data.py         the dataset of a config, transforms, seeded augmentation
     build.py        accelerator, data, model, optimizer, scheduler, loaders, mixup from a config
     loop.py         one epoch, evaluation, metrics, weights and checkpoints, the run's summary
-    checkpoint.py   run directory and crash-safe checkpoints (visattn.predict loads the trained model)
+    rundir.py       the run directory: its checks, the run lock, files written whole
+    checkpoint.py   crash-safe, verified checkpoints and the trained weights
     run_log.py      per-epoch metrics, plot, summary, peak memory
 """
 from visattn.train.config import ConfigError, TrainConfig, make_config

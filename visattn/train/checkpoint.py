@@ -1,13 +1,5 @@
-"""Run directories, crash-safe and verified checkpoints, the run lock, and the trained weights.
-
-A run directory holds (:mod:`visattn.predict` loads the trained model back from it)::
-
-    config.yaml               the effective TrainConfig
-    model.json                timm.create_model name and keywords, data config and class names of the model
-    run.lock                  PID and host of the run writing here (empty once it has ended)
-    checkpoints/step_<N>/     accelerate save_state after N optimizer updates + trainer_state.json
-    metrics.jsonl, metrics.png, summary.json
-    model_best.safetensors, model_last.safetensors
+"""Crash-safe, verified checkpoints of a run (in its run directory, :mod:`visattn.train.rundir`), and the
+trained weights.
 
 A checkpoint is written into ``checkpoints/.tmp-step_<N>``; ``trainer_state.json`` comes last and
 records the size and SHA-256 of every other file, and a SHA-256 of its own content. The folder is
@@ -36,16 +28,13 @@ checkpoint files are read by DeepSpeed.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
-import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,23 +45,38 @@ from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from visattn.predict import MODEL_FILE
+from visattn.train.rundir import (
+    CHECKPOINT_NAME,
+    CHECKPOINTS,
+    CONFIG_FILE,
+    LOCK_FILE,
+    RunDirError,
+    RunLock,
+    check_run_dir,
+    checkpoint_update,
+    is_run_dir,
+    list_checkpoints,
+    os_error_reason,
+    start_run_dir,
+    unlink_quietly,
+    write_atomically,
+    write_model_file,
+)
 
-CONFIG_FILE = "config.yaml"
-CHECKPOINTS = "checkpoints"
+# The run directory's names, for the training script that works through this module.
+__all__ = [
+    "CHECKPOINTS", "CONFIG_FILE", "LOCK_FILE", "TRAINER_STATE", "CheckpointError", "RunDirError", "RunLock",
+    "check_run_dir", "checkpoint_update", "choose_checkpoint", "is_run_dir", "list_checkpoints", "load_checkpoint",
+    "save_checkpoint", "save_weights", "start_run_dir", "verify_checkpoint", "write_atomically", "write_model_file",
+]
+
 TRAINER_STATE = "trainer_state.json"
-LOCK_FILE = "run.lock"
-_CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
 # Keys trainer_state.json adds to the trainer state: the other files' sizes and checksums, its own checksum.
 _FILES, _SELF_SHA256 = "files", "sha256"
 # What accelerate's load_state sets from random_states_<i>.pkl on every device.
 _RANDOM_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
 # Trainer-state entries that must be integers for the loop to pick up where the checkpoint left off.
 _STATE_KEYS = ("epoch", "batch", "update", "num_processes")
-
-
-class RunDirError(Exception):
-    """The run directory does not allow what was asked (start, resume); the message says what to do."""
 
 
 class CheckpointError(RunDirError):
@@ -84,138 +88,9 @@ class CheckpointError(RunDirError):
 
 
 # -- run directory ------------------------------------------------------------------------------
-def is_run_dir(path: Path) -> bool:
-    return (path / CONFIG_FILE).is_file()
-
-
-def checkpoint_update(checkpoint: Path) -> int:
-    """The update count in a checkpoint's name (``step_00000012`` -> 12)."""
-    return int(_CHECKPOINT_NAME.match(checkpoint.name).group(1))
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint folders (renamed into place, so complete when written; see :func:`verify_checkpoint`), oldest first."""
-    root = run_dir / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    return sorted((entry for entry in root.iterdir() if _CHECKPOINT_NAME.match(entry.name) and entry.is_dir()),
-                  key=checkpoint_update)
-
-
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Checks only, changes nothing. Raises RunDirError when ``run_dir`` holds a previous run and neither
-    ``resume`` nor ``overwrite`` is given, when there is nothing to resume, or when it holds files that
-    are not a run. Which checkpoint to resume from is :func:`choose_checkpoint`'s (under the run lock)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirError(f"run directory {run_dir} exists and is not a directory; choose another --run-dir")
-    occupied = run_dir.is_dir() and any(entry.name != LOCK_FILE for entry in run_dir.iterdir())
-    if resume:
-        if not is_run_dir(run_dir) or not list_checkpoints(run_dir):
-            what = "no run" if not is_run_dir(run_dir) else "a run without a complete checkpoint"
-            raise RunDirError(f"nothing to resume: {run_dir} holds {what}. Start it without --resume (add --overwrite to replace it).")
-        return
-    if occupied and not is_run_dir(run_dir):
-        raise RunDirError(
-            f"{run_dir} is not empty and holds no visattn run (no {CONFIG_FILE}); refusing to write or delete "
-            "anything there. Choose another --run-dir."
-        )
-    if occupied and not overwrite:
-        checkpoints = list_checkpoints(run_dir)
-        last = f"last checkpoint {checkpoints[-1].name}" if checkpoints else "no checkpoint yet"
-        raise RunDirError(
-            f"{run_dir} holds a previous run ({last}). Pass --resume to continue it, --overwrite to replace it, "
-            "or choose another --run-dir."
-        )
-
-
-def start_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Empty (with ``overwrite``) and create ``run_dir``; call after :func:`check_run_dir` passed.
-    The run lock stays: this run holds it."""
-    if overwrite and run_dir.is_dir() and is_run_dir(run_dir):
-        for entry in run_dir.iterdir():
-            if entry.name == LOCK_FILE:
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename; RunDirError if the disk refuses."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    try:
-        with open(tmp, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError as error:
-        _unlink_quietly(tmp)
-        raise RunDirError(f"cannot write {path}: {_reason(error)}") from None
 
 
 # -- run lock -----------------------------------------------------------------------------------
-class RunLock:
-    """Exclusive right to write into a run directory, held by one process until :meth:`release`.
-
-    ``run.lock`` is ``flock``-ed for the life of the holder (the kernel lets go when it dies, however
-    it dies) and names its PID and host, so a refused run can say who writes there. A run that was
-    killed leaves its PID behind; the next one takes the lock over and says so. Only the training
-    process holds it (the main one, with several): killing ``accelerate launch`` does not free it
-    while an orphaned training process still runs.
-    """
-
-    def __init__(self, run_dir: Path, notice: Callable[[str], None] = print) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / LOCK_FILE
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = self._owner()
-            os.close(self._fd)
-            raise RunDirError(
-                f"{run_dir} is in use by a run still going ({owner or 'owner unknown'}, {self.path}); "
-                "wait for it to end or stop it, then retry"
-            ) from None
-        previous = self._owner()
-        if previous:
-            notice(f"notice: taking over {self.path} from {previous}, which no longer runs (a killed run)")
-        me = json.dumps(dict(pid=os.getpid(), host=socket.gethostname()))
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, me.encode(), 0)
-        os.fsync(self._fd)
-
-    def _owner(self) -> str:
-        """'PID <pid> on <host>' from the lock file, or '' when empty (released)."""
-        text = os.pread(self._fd, 4096, 0).decode(errors="replace").strip()
-        if not text:
-            return ""
-        try:
-            owner = json.loads(text)
-            return f"PID {owner['pid']} on {owner['host']}"
-        except (ValueError, KeyError, TypeError):
-            return f"an unreadable owner {text[:80]!r}"
-
-    def release(self) -> None:
-        """Empty the lock file (a clean end) and let go. The file stays: deleting it would let a run
-        that opened it just before lock a file no one else sees."""
-        if self._fd < 0:
-            return
-        try:
-            os.ftruncate(self._fd, 0)
-        except OSError:
-            pass  # a full or read-only disk: the next run reports a taken-over lock, nothing worse
-        os.close(self._fd)
-        self._fd = -1
-
-    def __enter__(self) -> RunLock:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
 
 
 # -- checkpoints --------------------------------------------------------------------------------
@@ -254,7 +129,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, trainer_state: dict
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         newest = ([c.name for c in list_checkpoints(run_dir) if c != final] or ["none"])[-1]
-        reason = _reason(error) if isinstance(error, OSError) else f"{_first_line(error)} ({_free_space(root)})"
+        reason = os_error_reason(error) if isinstance(error, OSError) else f"{_first_line(error)} ({_free_space(root)})"
         raise RunDirError(f"cannot write checkpoint {final}: {reason}; the newest checkpoint is still {newest}") from None
     accelerator.wait_for_everyone()
     return final
@@ -293,7 +168,7 @@ def choose_checkpoint(run_dir: Path, resume_from: str | None, warn: Callable[[st
         if not chosen.is_dir() and (root / resume_from).is_dir():
             chosen = root / resume_from
         names = ", ".join(c.name for c in list_checkpoints(run_dir)) or "none"
-        if not chosen.is_dir() or chosen.resolve().parent != root.resolve() or not _CHECKPOINT_NAME.match(chosen.name):
+        if not chosen.is_dir() or chosen.resolve().parent != root.resolve() or not CHECKPOINT_NAME.match(chosen.name):
             raise RunDirError(f"--resume-from {resume_from}: not a checkpoint of {run_dir} (its checkpoints: {names})")
         try:
             return chosen, verify_checkpoint(chosen)
@@ -407,7 +282,7 @@ def _read_bytes(path: Path) -> bytes:
     except FileNotFoundError:
         raise CheckpointError(path, "missing") from None
     except OSError as error:
-        raise CheckpointError(path, f"unreadable ({_reason(error)})") from None
+        raise CheckpointError(path, f"unreadable ({os_error_reason(error)})") from None
     if not raw:
         raise CheckpointError(path, "zero bytes")
     return raw
@@ -419,7 +294,7 @@ def _check_file(path: Path, expected: dict[str, Any]) -> None:
     except FileNotFoundError:
         raise CheckpointError(path, "missing") from None
     except OSError as error:
-        raise CheckpointError(path, f"unreadable ({_reason(error)})") from None
+        raise CheckpointError(path, f"unreadable ({os_error_reason(error)})") from None
     if size == 0:
         raise CheckpointError(path, f"zero bytes (written with {expected['bytes']})")
     if size < expected["bytes"]:
@@ -429,7 +304,7 @@ def _check_file(path: Path, expected: dict[str, Any]) -> None:
     try:
         digest = _sha256(path)
     except OSError as error:
-        raise CheckpointError(path, f"unreadable ({_reason(error)})") from None
+        raise CheckpointError(path, f"unreadable ({os_error_reason(error)})") from None
     if digest != expected["sha256"]:
         raise CheckpointError(path, "checksum mismatch (its bytes changed after they were written)")
 
@@ -474,14 +349,6 @@ def _first_line(error: BaseException) -> str:
     return (lines[0] if lines else type(error).__name__)[:300]
 
 
-def _reason(error: OSError) -> str:
-    if error.errno == errno.ENOSPC:
-        return "no space left on the device"
-    if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return f"not writable ({error.strerror})"
-    return error.strerror or str(error)
-
-
 def _free_space(folder: Path) -> str:
     """How full ``folder``'s disk is: torch.save reports a full disk only as a failed write position."""
     try:
@@ -523,13 +390,6 @@ def _discard(checkpoint: Path) -> None:
     _VERIFIED.pop(checkpoint, None)
 
 
-def _unlink_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass
-
-
 def _fsync_tree(path: Path) -> None:
     for folder, _, files in os.walk(path):
         for name in files:
@@ -557,16 +417,8 @@ def save_weights(accelerator: Accelerator, model: nn.Module, path: Path) -> None
             save_file({key: value.contiguous() for key, value in state_dict.items()}, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, path)
         except (OSError, SafetensorError) as error:
-            _unlink_quietly(tmp)
-            reason = _reason(error) if isinstance(error, OSError) else _first_line(error)
+            unlink_quietly(tmp)
+            reason = os_error_reason(error) if isinstance(error, OSError) else _first_line(error)
             raise RunDirError(f"cannot write {path}: {reason}") from None
 
-
-def write_model_file(
-    run_dir: Path, model_name: str, model_kwargs: dict[str, Any], data_config: dict[str, Any], class_names: Sequence[str]
-) -> None:
-    """``model.json``: what :func:`visattn.predict.load_predictor` rebuilds the model from, with the evaluation
-    data config (timm's vocabulary: input_size, interpolation, mean, std, crop_pct, crop_mode) and the class names."""
-    contents = {"model": model_name, "kwargs": model_kwargs, "data_config": data_config, "class_names": list(class_names)}
-    write_atomically(run_dir / MODEL_FILE, json.dumps(contents, indent=1))
 

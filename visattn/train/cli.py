@@ -19,7 +19,7 @@ from typing import Any
 from visattn.layers import list_attentions
 from visattn.layers.options import parse_key_values
 from visattn.train.attention import resolve_attention
-from visattn.train.checkpoint import CONFIG_FILE, is_run_dir
+from visattn.train.rundir import CONFIG_FILE, is_run_dir
 from visattn.train.config import FIELD_TYPES, ConfigError, TrainConfig, changed_keys, check_keys, make_config, read_yaml
 from visattn.train.fieldtypes import accepts, accepts_scalar, alternatives, type_name
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from visattn.train.checkpoint import write_atomically
+from visattn.train.rundir import write_atomically
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
