@@ -34,8 +34,8 @@ from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import DataError
 from visattn.train.initial import load_initial_weights, read_initial_weights
 from visattn.train.loop import (
-    NonFiniteError, Training, check_checkpoint_model, evaluate, finish_epoch, new_trainer_state, summarize, train_epoch,
-    write_run_files,
+    NonFiniteError, Training, check_checkpoint_model, evaluate, finish_epoch, new_trainer_state, summarize,
+    test_best_weights, train_epoch, write_run_files,
 )
 from visattn.train.overview import run_overview
 
@@ -58,7 +58,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     set_seed(config.seed)  # the same initial weights on every process
     model = build_model(config, splits.num_classes)
     model_kwargs = config.model_kwargs_for_timm(splits.num_classes)
-    train_loader, eval_loader = build_loaders(config, splits, accelerator.num_processes)
+    train_loader, val_loader, eval_loader = build_loaders(config, splits, accelerator.num_processes)
     optimizer = build_optimizer(config, model)
     if initial is not None:
         for line in load_initial_weights(model, initial):
@@ -76,7 +76,11 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         write_run_files(run_dir, config, model_kwargs, splits)
     accelerator.wait_for_everyone()
 
+    if val_loader is None:
+        accelerator.print(f"{config.dataset} has no validation split: the best epoch is chosen on the test split, "
+                          "and the last epoch's test accuracy is reported")
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    selection_split, selection_loader = ("test", eval_loader) if val_loader is None else ("val", accelerator.prepare(val_loader))
     overview = run_overview(
         config, splits, accelerator.unwrap_model(model), accelerator.num_processes, len(train_loader), auto, run_dir,
         accelerator.device,
@@ -84,10 +88,10 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     accelerator.print("\n".join(overview))
     initial_eval = None
     if initial is not None:
-        initial_eval = evaluate(accelerator, model, eval_loader)  # what the converted weights do before training
+        initial_eval = evaluate(accelerator, model, selection_loader)  # what the converted weights do before training
         accelerator.print(
-            f"initial weights, before any update: eval loss {initial_eval['eval_loss']:.4f}, "
-            f"eval acc {100 * initial_eval['eval_acc']:.2f}%"
+            f"initial weights, before any update: eval loss {initial_eval['loss']:.4f}, "
+            f"eval acc {100 * initial_eval['acc']:.2f}% ({selection_split} split)"
         )
     scheduler = build_scheduler(config, optimizer, len(train_loader))
     mixup = build_mixup(config, splits.num_classes)
@@ -96,9 +100,10 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         accelerator=accelerator, config=config, run_dir=run_dir, model=model, optimizer=optimizer,
         scheduler=scheduler, criterion=build_criterion(config, mixup), mixup=mixup,
         train_loader=train_loader, eval_loader=eval_loader, state=new_trainer_state(accelerator.num_processes),
+        selection_loader=selection_loader, selection_split=selection_split,
     )
     if initial_eval is not None:
-        run.state["initial_eval_acc"] = initial_eval["eval_acc"]
+        run.state["initial_eval_acc"] = initial_eval["acc"]
     if resume_from is not None:
         check_checkpoint_model(accelerator, model, run_dir, resume_from, model_kwargs)
         run.state = ckpt.load_checkpoint(accelerator, resume_from, saved_state)
@@ -123,20 +128,28 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     if already_finished and summary_file.is_file():
         summary = json.loads(summary_file.read_text())  # nothing was trained: the run's summary and wall time stand
     else:
-        summary = summarize(run, time.perf_counter() - started)
+        summary = summarize(run, test_best_weights(run), time.perf_counter() - started)
         if "initial_eval_acc" in run.state:
             summary["initial_acc"] = run.state["initial_eval_acc"]
         if main:
             run_log.write_summary(run_dir, summary)
             run_log.plot_metrics(run_dir, run.state["history"])
     accelerator.print(
-        f"test accuracy: {100 * summary['test_acc']:.2f}% (best {100 * summary['best_acc']:.2f}% at epoch "
-        f"{summary['best_epoch']}); {summary['images_per_s']:.0f} train img/s; run directory: {run_dir}"
+        f"test accuracy: {100 * summary['test_acc']:.2f}% ({selection_note(summary)}); "
+        f"{summary['images_per_s']:.0f} train img/s; run directory: {run_dir}"
     )
     if summary.get("skipped_updates"):
         accelerator.print(f"{summary['skipped_updates']} update(s) skipped for a non-finite loss or gradient")
     accelerator.end_training()
     return summary
+
+
+def selection_note(summary: dict[str, Any]) -> str:
+    """Which weights the test accuracy is of, and how they were chosen."""
+    best = f"{100 * summary['best_acc']:.2f}%"
+    if summary.get("selected_on") == "val":
+        return f"the weights of epoch {summary['best_epoch']}, best on validation at {best}"
+    return f"the last epoch; best on test {best} at epoch {summary['best_epoch']}"
 
 
 def main(argv: list[str] | None = None) -> int:

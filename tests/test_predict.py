@@ -119,7 +119,7 @@ def test_predictions_of_the_evaluation_images_on_disk_reproduce_the_run_accuracy
         labels.append(label)
     files, problems = find_images([tmp_path])
     assert len(files) == len(evaluation) == 50 and problems == []
-    results = predict(load_predictor(tiny_run, "last", device="cpu"), files, top_k=1, batch_size=16)
+    results = predict(load_predictor(tiny_run, "best", device="cpu"), files, top_k=1, batch_size=16)
     correct = sum(result.top_k[0][0] == Path(result.path).parent.name for result in results)
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert correct / len(files) == pytest.approx(summary["test_acc"], abs=1e-9)

@@ -2,6 +2,7 @@
 errors that must stop a run before it writes anything."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,10 +19,13 @@ import torch
 import yaml
 from accelerate.utils import load as accelerate_load
 from safetensors.torch import load_file
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
 
 import visattn
 from tests.helpers import rms_rel_err
 from visattn.predict import load_trained_model
+from visattn.train import build, data, loop
 from visattn.train.cli import build_parser, parse_args
 from visattn.train.config import ConfigError, TrainConfig, make_config
 from visattn.train.data import TransformedDataset, build_transform, load_splits
@@ -31,7 +35,7 @@ TRAIN = REPO / "train.py"
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402  (the script at the repository root)
 
-# 96 train / 50 eval digits at 16x16, patch 4 (4x4 grid): 6 steps of 16 per epoch.
+# 96 train / 50 validation / 50 test digits at 16x16, patch 4 (4x4 grid): 6 steps of 16 per epoch.
 TINY = [
     "--max-train-samples", "96", "--max-eval-samples", "50", "--img-size", "16", "--patch-size", "4",
     "--embed-dim", "16", "--depth", "2", "--num-heads", "2", "--batch-size", "16", "--epochs", "2",
@@ -92,13 +96,15 @@ def test_tiny_run_writes_config_metrics_plot_and_checkpoints(tiny_run):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2]
     for record in records:
-        assert record["eval_samples"] == 50 and record["train_images"] == 96
+        assert record["val_samples"] == 50 and record["train_images"] == 96
         assert record["images_per_s"] > 0 and record["peak_mem_mib"] > 0 and record["lr"] > 0
-        assert 0 <= record["eval_acc"] <= 1 and record["train_loss"] > 0
+        assert 0 <= record["val_acc"] <= 1 and record["train_loss"] > 0
+        assert not any(key.startswith("test_") for key in record)  # the test split is not looked at every epoch
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["test_acc"] == records[-1]["eval_acc"]
-    assert summary["best_acc"] == max(r["eval_acc"] for r in records)
+    val_accs = [r["val_acc"] for r in records]
+    assert summary["best_acc"] == max(val_accs) and summary["best_epoch"] == val_accs.index(max(val_accs)) + 1
+    assert summary["selected_on"] == "val" and summary["test_samples"] == 50 and 0 <= summary["test_acc"] <= 1
 
     # updates 4 (mid-epoch 1), 6 (end of 1), 8 (mid-epoch 2), 12 (end of 2); the last two are kept
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -127,7 +133,7 @@ def test_saved_weights_load_with_timm_and_reproduce_the_test_accuracy(tiny_run):
     expected = load_file(str(weights))
     assert_same_weights(model.state_dict(), expected, tol=0.0)
 
-    model = load_trained_model(run_dir, "last")
+    model = load_trained_model(run_dir, "best")  # the test accuracy is of the weights chosen on validation
     config = TrainConfig(**yaml.safe_load((run_dir / "config.yaml").read_text()))
     splits = load_splits(config)
     dataset = TransformedDataset(splits.eval, build_transform(config, splits, training=False), seed=None)
@@ -171,7 +177,7 @@ def test_resume_after_sigkill_mid_epoch_matches_uninterrupted_run(tmp_path):
     whole_metrics = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in killed_metrics] == [1, 2, 3]
     for a, b in zip(killed_metrics, whole_metrics):
-        assert a["eval_acc"] == b["eval_acc"] and a["train_images"] == b["train_images"]
+        assert a["val_acc"] == b["val_acc"] and a["train_images"] == b["train_images"]
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
 
 
@@ -211,14 +217,15 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     assert single.wait(timeout=300) == 0, single.communicate()[0][-3000:]
 
     assert json.loads((two / "summary.json").read_text())["num_processes"] == 2
+    assert json.loads((two / "summary.json").read_text())["test_acc"] == json.loads((one / "summary.json").read_text())["test_acc"]
     assert {p.name for p in (two / "checkpoints" / "step_00000012").glob("random_states_*")} == {
         "random_states_0.pkl", "random_states_1.pkl"
     }
     assert_same_weights(weights_of(two), weights_of(one), tol=0.0)
     for a, b in zip(*[[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (two, one)]):
-        assert a["eval_samples"] == b["eval_samples"] == 50  # gather_for_metrics drops the padding
+        assert a["val_samples"] == b["val_samples"] == 50  # gather_for_metrics drops the padding
         assert a["train_images"] == b["train_images"] == 96
-        assert a["eval_acc"] == b["eval_acc"]
+        assert a["val_acc"] == b["val_acc"]
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
 
 
@@ -327,12 +334,15 @@ def _image_folder(root: Path, layout: str) -> Path:
     return root
 
 
-@pytest.mark.parametrize("layout, train_size, eval_size", [("split", 21, 9), ("flat", 24, 6)])
+# train/ + val/: val/ is the test split; one folder: eval_fraction is; validation is cut from what is left.
+@pytest.mark.parametrize("layout, train_size, eval_size", [("split", 18, 9), ("flat", 21, 6)])
 def test_image_folder_at_a_non_square_size(layout, train_size, eval_size, tmp_path):
     config = make_config({"dataset": "imagefolder", "data_dir": str(_image_folder(tmp_path, layout)),
                           "img_size": [16, 24], "patch_size": 4, "eval_fraction": 0.2})
     splits = load_splits(config)
-    assert (len(splits.train), len(splits.eval), splits.num_classes) == (train_size, eval_size, 3)
+    assert (len(splits.train), len(splits.val), len(splits.eval), splits.num_classes) == (train_size, 3, eval_size, 3)
+    assert sorted(splits.val[i][1] for i in range(3)) == [0, 1, 2]  # stratified: one image per class
+    assert not set(splits.val.indices) & set(splits.train.indices)
     for training, part in ((True, splits.train), (False, splits.eval)):
         image, label = TransformedDataset(part, build_transform(config, splits, training), seed=0)[0]
         assert image.shape == (3, 16, 24) and 0 <= label < 3
@@ -340,11 +350,67 @@ def test_image_folder_at_a_non_square_size(layout, train_size, eval_size, tmp_pa
 
 def test_digits_split_is_fixed_and_stratified():
     splits = load_splits(TrainConfig())
-    assert (len(splits.train), len(splits.eval), splits.num_classes) == (1437, 360, 10)
+    assert (len(splits.train), len(splits.val), len(splits.eval), splits.num_classes) == (1293, 144, 360, 10)
     eval_labels = [splits.eval[i][1] for i in range(len(splits.eval))]
     assert sorted(set(eval_labels)) == list(range(10)) and min(np.bincount(eval_labels)) >= 35
     again = load_splits(TrainConfig())
     assert np.array_equal(np.asarray(splits.eval[0][0]), np.asarray(again.eval[0][0]))
+    # the test split is the 20% of sklearn's stratified split (seed 0); train and validation share the rest
+    digits = load_digits()
+    _, x_test, _, y_test = train_test_split(
+        digits.images, digits.target, test_size=0.2, stratify=digits.target, random_state=0
+    )
+    assert np.array_equal(splits.eval.images, np.rint(x_test * (255.0 / 16.0)).astype(np.uint8))
+    assert np.array_equal(splits.eval.labels, y_test)
+    assert splits.train.dataset is splits.val.dataset and len(splits.train.dataset) == 1437
+    assert sorted(splits.train.indices + splits.val.indices) == list(range(1437))  # disjoint, all of train
+    assert (splits.train.indices, splits.val.indices) == (again.train.indices, again.val.indices)
+    train_counts = np.bincount([splits.train[i][1] for i in range(len(splits.train))])
+    val_counts = np.bincount([splits.val[i][1] for i in range(len(splits.val))])
+    share = (train_counts + val_counts) * 144 / 1437  # each class's share of the validation split
+    assert np.all(np.abs(val_counts - share) < 1)
+
+
+def test_best_weights_are_chosen_on_validation_and_the_test_split_is_evaluated_once_at_the_end(tmp_path, monkeypatch):
+    # No --max-eval-samples: 144 validation and 360 test images tell the two loaders apart.
+    seen = []  # (images in the evaluated split, weights evaluated, accuracy)
+    original_evaluate = loop.evaluate
+
+    def evaluate_and_keep(accelerator, model, loader):
+        scores = original_evaluate(accelerator, model, loader)
+        weights = {key: value.detach().clone() for key, value in accelerator.unwrap_model(model).state_dict().items()}
+        seen.append((len(loader.dataset), weights, scores["acc"]))
+        return scores
+
+    monkeypatch.setattr(loop, "evaluate", evaluate_and_keep)
+    recipe = [arg for arg in TINY if arg not in ("--max-eval-samples", "50")]
+    run_dir = tmp_path / "run"
+    assert train.main([*recipe, "--epochs", "4", "--lr", "1e-2", "--run-dir", str(run_dir)]) == 0
+    assert [size for size, _, _ in seen] == [144] * 4 + [360]
+    val_accs = [acc for _, _, acc in seen[:4]]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["best_epoch"] == val_accs.index(max(val_accs)) + 1 and summary["best_acc"] == max(val_accs)
+    assert summary["test_acc"] == seen[-1][2] and summary["test_samples"] == 360
+    assert_same_weights(seen[-1][1], weights_of(run_dir, "best"), tol=0.0)
+    assert_same_weights(seen[-1][1], seen[summary["best_epoch"] - 1][1], tol=0.0)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_acc"] for r in records] == val_accs
+
+
+def test_a_dataset_without_validation_chooses_on_test_and_says_so(tmp_path, monkeypatch, capsys):
+    original_load = data.load_splits
+
+    def without_validation(config, download=False):
+        return dataclasses.replace(original_load(config, download), val=None)
+
+    monkeypatch.setattr(build, "load_splits", without_validation)
+    run_dir = tmp_path / "run"
+    assert train.main([*TINY, "--run-dir", str(run_dir)]) == 0
+    assert "digits has no validation split: the best epoch is chosen on the test split" in capsys.readouterr().out
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["selected_on"] == "test" and summary["test_acc"] == records[-1]["test_acc"]
+    assert summary["best_acc"] == max(r["test_acc"] for r in records)
 
 
 def test_augmentation_is_fixed_by_seed_epoch_and_index_and_leaves_the_process_rng_alone():

@@ -28,7 +28,7 @@ def test_the_run_starts_with_an_overview_and_auto_choice(tmp_path):
     params = sum(p.numel() for p in model.parameters())
     overview = result.stdout.splitlines()[:6]
     assert overview == [
-        "data: digits, 96 train / 50 eval images, 10 classes, resized to 16x16",
+        "data: digits, 96 train / 50 validation / 50 test images, 10 classes, resized to 16x16",
         f"model: visattn_vit_tiny_patch16, {params:,} parameters, 4x4 grid of 4x4 patches = 16 tokens",
         "attention: softmax in all 2 blocks (the choice of attn=auto for this model and image size)",
         "training: 1 process (1 CPU thread each) x batch 16 = 16 images per step; 1 epoch of 6 steps (6 updates each)",

@@ -88,7 +88,10 @@ def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, batch
     return scheduler
 
 
-def build_loaders(config: TrainConfig, splits: DataSplits, num_processes: int) -> tuple[DataLoader, DataLoader]:
+def build_loaders(
+    config: TrainConfig, splits: DataSplits, num_processes: int
+) -> tuple[DataLoader, DataLoader | None, DataLoader]:
+    """(train, validation, test) loaders; validation is None where the dataset has no validation split."""
     global_batch = config.batch_size * num_processes
     if len(splits.train) < global_batch:
         raise ConfigError(
@@ -96,14 +99,20 @@ def build_loaders(config: TrainConfig, splits: DataSplits, num_processes: int) -
             "training images; no full batch to train on"
         )
     train_set = TransformedDataset(splits.train, build_transform(config, splits, training=True), seed=config.seed)
-    eval_set = TransformedDataset(splits.eval, build_transform(config, splits, training=False), seed=None)
+    eval_transform = build_transform(config, splits, training=False)
     # Own generators, so that creating a loader iterator never draws from the process RNG.
     common = dict(batch_size=config.batch_size, num_workers=config.num_workers, pin_memory=torch.cuda.is_available())
     train_loader = DataLoader(
         train_set, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(config.seed), **common
     )
-    eval_loader = DataLoader(eval_set, shuffle=False, generator=torch.Generator().manual_seed(config.seed), **common)
-    return train_loader, eval_loader
+    val_loader, eval_loader = (
+        None if split is None else DataLoader(
+            TransformedDataset(split, eval_transform, seed=None), shuffle=False,
+            generator=torch.Generator().manual_seed(config.seed), **common,
+        )
+        for split in (splits.val, splits.eval)
+    )
+    return train_loader, val_loader, eval_loader
 
 
 def build_mixup(config: TrainConfig, num_classes: int) -> Mixup | None:

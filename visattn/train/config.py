@@ -97,7 +97,7 @@ class TrainConfig:
         metadata=_help("start from these weights: a .safetensors or .pth state dict, or a visattn run directory (its best weights)"),
     )
     # optimisation
-    epochs: int = field(default=16, metadata=_help("training epochs"))
+    epochs: int = field(default=26, metadata=_help("training epochs"))
     batch_size: int = field(default=32, metadata=_help("images per process per step"))
     grad_accum_steps: int = field(default=1, metadata=_help("steps whose gradients add up to one optimizer update"))
     opt: str = field(default="adamw", metadata=_help("timm optimizer name (timm.optim.list_optimizers())"))
@@ -105,7 +105,7 @@ class TrainConfig:
     weight_decay: float = field(default=0.05, metadata=_help("decoupled weight decay (not on biases and norms)"))
     opt_kwargs: dict[str, Any] = field(default_factory=dict, metadata=_help("extra optimizer keywords, key=value"))
     sched: str = field(default="cosine", metadata=_help(f"timm scheduler: {', '.join(SCHEDULERS)}"))
-    warmup_epochs: int = field(default=2, metadata=_help("linear warm-up epochs"))
+    warmup_epochs: int = field(default=1, metadata=_help("linear warm-up epochs"))
     warmup_lr: float = field(default=1e-5, metadata=_help("learning rate at the start of warm-up"))
     min_lr: float = field(default=1e-5, metadata=_help("learning rate at the end of the schedule"))
     clip_grad: float | None = field(default=1.0, metadata=_help("clip the gradient norm to this; none to turn off"))

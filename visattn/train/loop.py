@@ -1,5 +1,6 @@
-"""The training loop: one epoch of updates with mid-epoch checkpoints, then evaluation, metrics, the
-best and last weights and an end-of-epoch checkpoint; the summary of a finished run."""
+"""The training loop: one epoch of updates with mid-epoch checkpoints, then evaluation on the validation
+split, metrics, the best (by validation accuracy) and last weights and an end-of-epoch checkpoint; the
+test split evaluated once on the best weights, and the summary of a finished run."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
 from safetensors import safe_open
+from safetensors.torch import load_file
 from timm.data import Mixup
 from timm.scheduler.scheduler import Scheduler
 from torch.utils.data import DataLoader
@@ -121,7 +123,7 @@ def check_finite_weights(run: Training, progress: tqdm | None = None) -> None:
 
 @torch.no_grad()
 def evaluate(accelerator: Accelerator, model: nn.Module, loader: DataLoader) -> dict[str, float]:
-    """Loss and top-1 accuracy over the whole eval set, each sample counted once (gather_for_metrics)."""
+    """Loss and top-1 accuracy over the whole of ``loader``'s split, each sample counted once (gather_for_metrics)."""
     model.eval()
     loss_sum = correct = count = 0.0
     for images, targets in loader:
@@ -129,12 +131,16 @@ def evaluate(accelerator: Accelerator, model: nn.Module, loader: DataLoader) -> 
         loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
         correct += (logits.argmax(dim=-1) == targets).sum().item()
         count += len(targets)
-    return dict(eval_loss=loss_sum / count, eval_acc=correct / count, eval_samples=int(count))
+    return dict(loss=loss_sum / count, acc=correct / count, samples=int(count))
 
 
 @dataclass
 class Training:
-    """The prepared pieces of a run, and ``state``: where it stands (saved as JSON in every checkpoint)."""
+    """The prepared pieces of a run, and ``state``: where it stands (saved as JSON in every checkpoint).
+
+    ``selection_loader`` is evaluated every epoch and chooses the best weights: the validation split
+    (``selection_split`` "val"), or the test split (``eval_loader``, "test") for a dataset without one.
+    """
 
     accelerator: Accelerator
     config: TrainConfig
@@ -147,6 +153,8 @@ class Training:
     train_loader: DataLoader
     eval_loader: DataLoader
     state: dict[str, Any]
+    selection_loader: DataLoader
+    selection_split: str
 
 
 def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
@@ -221,24 +229,25 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
 
 
 def finish_epoch(run: Training, epoch: int, loss_sum: float, images: int, train_time: float) -> None:
-    """Evaluate, log, write the best and last weights, checkpoint the end of ``epoch``."""
-    accelerator, state = run.accelerator, run.state
+    """Evaluate on the selection split, log, write the best and last weights, checkpoint the end of ``epoch``."""
+    accelerator, state, split = run.accelerator, run.state, run.selection_split
     peak_mib, mem_kind = run_log.peak_memory_mib(accelerator.device)
+    scores = evaluate(accelerator, run.model, run.selection_loader)
     record = dict(
         epoch=epoch + 1, update=state["update"], train_loss=loss_sum / images if images else float("nan"),
-        **evaluate(accelerator, run.model, run.eval_loader),
+        **{f"{split}_{key}": value for key, value in scores.items()},
         lr=run.optimizer.param_groups[0]["lr"], train_images=images, train_time_s=train_time,
         images_per_s=images / train_time if images else 0.0, peak_mem_mib=peak_mib, mem_kind=mem_kind,
     )
     state["history"].append(record)
     accelerator.print(
-        f"epoch {epoch + 1}: train loss {record['train_loss']:.4f}, eval loss {record['eval_loss']:.4f}, "
-        f"eval acc {100 * record['eval_acc']:.2f}%, {record['images_per_s']:.0f} img/s, lr {record['lr']:.2e}, "
+        f"epoch {epoch + 1}: train loss {record['train_loss']:.4f}, {split} loss {scores['loss']:.4f}, "
+        f"{split} acc {100 * scores['acc']:.2f}%, {record['images_per_s']:.0f} img/s, lr {record['lr']:.2e}, "
         f"peak mem {peak_mib:.0f} MiB"
     )
     check_finite_weights(run)
-    if state["best_acc"] is None or record["eval_acc"] > state["best_acc"]:
-        state.update(best_acc=record["eval_acc"], best_epoch=epoch + 1)
+    if state["best_acc"] is None or scores["acc"] > state["best_acc"]:
+        state.update(best_acc=scores["acc"], best_epoch=epoch + 1)
         ckpt.save_weights(accelerator, run.model, run.run_dir / BEST_WEIGHTS)
     ckpt.save_weights(accelerator, run.model, run.run_dir / LAST_WEIGHTS)
     state.update(epoch=epoch + 1, batch=0, partial_loss_sum=0.0, partial_samples=0, partial_train_time=0.0)
@@ -248,11 +257,24 @@ def finish_epoch(run: Training, epoch: int, loss_sum: float, images: int, train_
     accelerator.log({key: value for key, value in record.items() if isinstance(value, (int, float))}, step=epoch + 1)
 
 
-def summarize(run: Training, seconds: float) -> dict[str, Any]:
+def test_best_weights(run: Training) -> dict[str, float]:
+    """Loads the best weights (chosen on validation) into the model and evaluates them on the test split:
+    the run's one look at it. Without a validation split the last epoch's test scores stand, as recorded."""
+    if run.selection_split == "test":
+        return {key: run.state["history"][-1][f"test_{key}"] for key in ("loss", "acc", "samples")}
+    accelerator = run.accelerator
+    accelerator.wait_for_everyone()  # the main process has written the best weights
+    accelerator.unwrap_model(run.model).load_state_dict(load_file(str(run.run_dir / BEST_WEIGHTS)))
+    return evaluate(accelerator, run.model, run.eval_loader)
+
+
+def summarize(run: Training, test: dict[str, float], seconds: float) -> dict[str, Any]:
+    """``test``: the test scores of the reported weights (:func:`test_best_weights`)."""
     history, config = run.state["history"], run.config
     return dict(
         dataset=config.dataset, attn=config.attn, epochs=config.epochs, num_processes=run.accelerator.num_processes,
-        test_acc=history[-1]["eval_acc"], best_acc=run.state["best_acc"], best_epoch=run.state["best_epoch"],
+        test_acc=test["acc"], test_loss=test["loss"], test_samples=test["samples"], best_acc=run.state["best_acc"],
+        best_epoch=run.state["best_epoch"], selected_on=run.selection_split,
         images_per_s=sum(r["train_images"] for r in history) / sum(r["train_time_s"] for r in history),
         peak_mem_mib=max(r["peak_mem_mib"] for r in history), mem_kind=history[-1]["mem_kind"],
         wall_time_s=seconds, skipped_updates=run.state.get("skipped_updates", 0),

@@ -36,7 +36,8 @@ def run_overview(
     threads = f" ({_count(torch.get_num_threads(), 'CPU thread')} each)" if device.type == "cpu" else ""
     update_text = f", {global_batch * config.grad_accum_steps} per update" if config.grad_accum_steps > 1 else ""
     return [
-        f"data: {config.dataset}, {len(splits.train)} train / {len(splits.eval)} eval images, "
+        f"data: {config.dataset}, {len(splits.train)} train / "
+        f"{'no' if splits.val is None else len(splits.val)} validation / {len(splits.eval)} test images, "
         f"{splits.num_classes} classes, resized to {height}x{width}",
         f"model: {config.model}, {params:,} parameters, {rows}x{cols} grid of {patch_h}x{patch_w} patches = "
         f"{rows * cols} tokens" + (f" + {prefix} prefix" if prefix else ""),

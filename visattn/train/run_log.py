@@ -48,13 +48,14 @@ def plot_metrics(run_dir: Path, history: list[dict[str, Any]]) -> Path:
     import matplotlib.pyplot as plt
 
     epochs = [record["epoch"] for record in history]
+    split = "val" if "val_acc" in history[0] else "test"  # the split evaluated every epoch
     fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(13, 3.6))
     ax_loss.plot(epochs, [r["train_loss"] for r in history], marker=".", label="train")
-    ax_loss.plot(epochs, [r["eval_loss"] for r in history], marker=".", label="eval")
+    ax_loss.plot(epochs, [r[f"{split}_loss"] for r in history], marker=".", label=split)
     ax_loss.set(title="loss", xlabel="epoch")
     ax_loss.legend()
-    ax_acc.plot(epochs, [100 * r["eval_acc"] for r in history], marker=".", color="tab:green")
-    ax_acc.set(title="eval accuracy (%)", xlabel="epoch")
+    ax_acc.plot(epochs, [100 * r[f"{split}_acc"] for r in history], marker=".", color="tab:green")
+    ax_acc.set(title=f"{split} accuracy (%)", xlabel="epoch")
     ax_lr.plot(epochs, [r["lr"] for r in history], marker=".", color="tab:red")
     ax_lr.set(title="learning rate (end of epoch)", xlabel="epoch")
     for ax in (ax_loss, ax_acc, ax_lr):

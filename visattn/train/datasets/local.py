@@ -3,7 +3,8 @@
 The embedded default is scikit-learn's handwritten digits (``sklearn.datasets.load_digits``): 1,797
 real 8x8 grey-level scans of the digits 0-9 (the UCI optdigits test set) that ship inside the
 scikit-learn wheel (part of the ``visattn[train]`` install), so a run needs no download. They are
-split once, stratified, with a fixed seed (80/20 by default).
+split once, stratified, with a fixed seed (80/20 by default: 360 test images); a fixed, stratified
+``VAL_FRACTION`` of the training images is then held out for validation.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 
-from visattn.train.datasets.spec import SPLIT_SEED, DataError, DatasetSpec, DataSplits, split_off
+from visattn.train.datasets.spec import SPLIT_SEED, VAL_FRACTION, DataError, DatasetSpec, DataSplits, split_off
 
 _EVAL_FOLDERS = ("val", "validation", "test")
 
@@ -42,10 +43,13 @@ def load_digits_splits(eval_fraction: float) -> DataSplits:
     x_train, x_eval, y_train, y_eval = train_test_split(
         digits.images, digits.target, test_size=eval_fraction, stratify=digits.target, random_state=SPLIT_SEED
     )
+    # Normalized by the whole training split (validation included), as before the validation cut, so that
+    # the recorded data config does not depend on it.
     mean = float(x_train.mean() / 16.0)
     std = float(x_train.std() / 16.0)
+    train, validation = split_off(DigitsDataset(x_train, y_train), y_train, VAL_FRACTION)
     return DataSplits(
-        train=DigitsDataset(x_train, y_train), eval=DigitsDataset(x_eval, y_eval),
+        train=train, val=validation, eval=DigitsDataset(x_eval, y_eval),
         num_classes=10, mean=(mean,) * 3, std=(std,) * 3, classes=tuple(str(digit) for digit in range(10)),
     )
 
@@ -54,7 +58,8 @@ def load_imagefolder_splits(data_dir: str, eval_fraction: float) -> DataSplits:
     """``data_dir/train`` + ``data_dir/{val,validation,test}``, or one folder split by ``eval_fraction``.
 
     With train/, val/ (or validation/) and test/ all there, val/ is the validation split and test/ the
-    evaluated one.
+    evaluated one; otherwise a fixed, stratified ``VAL_FRACTION`` of the training images is held out for
+    validation.
     """
     root = Path(data_dir)
     if not root.is_dir():
@@ -81,6 +86,9 @@ def load_imagefolder_splits(data_dir: str, eval_fraction: float) -> DataSplits:
             full = ImageFolder(str(root))
             train, evaluation = split_off(full, full.targets, eval_fraction)
             classes = full.classes
+        if validation is None:
+            train_labels = train.targets if isinstance(train, ImageFolder) else [full.targets[i] for i in train.indices]
+            train, validation = split_off(train, train_labels, VAL_FRACTION)
     except (FileNotFoundError, ValueError) as error:  # ImageFolder: no class folders / no images
         raise DataError(f"cannot read image folder {root}: {error}") from None
     return DataSplits(
@@ -92,14 +100,14 @@ def load_imagefolder_splits(data_dir: str, eval_fraction: float) -> DataSplits:
 SPECS = (
     DatasetSpec(
         name="digits", title="scikit-learn digits", reader="sklearn.datasets.load_digits", default_img_size=16,
-        official_splits="none (1,797 images; a stratified eval_fraction is held out)",
+        official_splits="none (1,797 images; a stratified eval_fraction is held out, then validation from train)",
         load=lambda source: load_digits_splits(source.eval_fraction),
     ),
     DatasetSpec(
         name="imagefolder", title="image folder", reader="torchvision.datasets.ImageFolder", default_img_size=512,
         official_splits=(
             "train/ + val/ or test/ (with both, val/ validates and test/ is evaluated), "
-            "or one folder (a stratified eval_fraction is held out)"
+            "or one folder (a stratified eval_fraction is held out); validation cut from train unless val/ and test/ both exist"
         ),
         load=lambda source: load_imagefolder_splits(str(source.root), source.eval_fraction),
     ),

@@ -28,10 +28,11 @@ class DataError(Exception):
 class DataSplits:
     """Images of a dataset as (PIL RGB image, class index) pairs, before any transform.
 
-    ``eval`` is the split train.py evaluates every epoch and reports as test accuracy: the official test
-    split where there is one. ``val`` is the validation split, the official one or a fixed, stratified
-    cut from train (which then no longer holds those images); None where a dataset has none (digits, and
-    an ImageFolder without three split folders). ``classes`` names the class indices.
+    ``eval`` is the test split train.py evaluates once, at the end, on the weights chosen on ``val``, and
+    reports as test accuracy: the official test split where there is one. ``val`` is the validation split
+    train.py evaluates every epoch to choose the best weights: the official one or a fixed, stratified cut
+    from train (which then no longer holds those images); None only where a dataset has none, and then
+    ``eval`` is evaluated every epoch instead. ``classes`` names the class indices.
     """
 
     train: Dataset
