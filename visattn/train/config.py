@@ -24,8 +24,9 @@ from visattn.layers import list_attentions
 from visattn.layers.options import load_yaml
 from visattn.train.augment import check_auto_augment
 from visattn.train.fieldtypes import matches, type_name
+from visattn.train.generated import TASKS, task_options
 
-DATASETS = ("digits", "cifar10", "cifar100", "imagefolder")
+DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", *TASKS)
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "wsd", "rsqrt", "constant")
 GLOBAL_POOLS = ("avg", "token", "max", "avgmax", "map")
@@ -48,6 +49,10 @@ class TrainConfig:
     data_dir: str | None = field(
         default=None,
         metadata=_help("CIFAR root (none: ./data) or ImageFolder root (with train/ and val/ or test/, or one folder per class)"),
+    )
+    dataset_kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_help("options of a generated dataset, key=value (pathfinder: level=easy; both: seed=0 train_size=10000)"),
     )
     img_size: int | list[int] = field(default=16, metadata=_help("image side, or H,W; images are resized to it"))
     eval_fraction: float = field(
@@ -176,6 +181,13 @@ def check_values(config: TrainConfig) -> None:
         raise ConfigError(f"model: {config.model!r} is not a timm model; visattn's: {', '.join(timm.list_models('visattn_*'))}")
     if config.dataset == "imagefolder" and config.data_dir is None:
         raise ConfigError("data_dir: dataset 'imagefolder' needs --data-dir pointing at the image folder")
+    if config.dataset in TASKS:
+        try:
+            task_options(config.dataset, config.dataset_kwargs, config.image_hw)
+        except ValueError as error:
+            raise ConfigError(f"dataset_kwargs: {error}") from None
+    elif config.dataset_kwargs:
+        raise ConfigError(f"dataset_kwargs: dataset {config.dataset!r} takes no options; generated ones do: {', '.join(TASKS)}")
     for key in ("epochs", "batch_size", "grad_accum_steps", "patch_size", "embed_dim", "depth", "num_heads",
                 "keep_checkpoints"):
         _at_least(key, getattr(config, key), 1)

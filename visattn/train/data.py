@@ -30,6 +30,7 @@ from torch.utils.data import Dataset, Subset
 from torchvision.datasets import CIFAR10, CIFAR100, ImageFolder
 
 from visattn.train.config import TrainConfig
+from visattn.train.generated import TASKS, load_generated
 
 # Seed of the fixed splits and subsets: part of the dataset's definition, not of a run.
 SPLIT_SEED = 0
@@ -151,6 +152,9 @@ def load_splits(config: TrainConfig, download: bool = False) -> DataSplits:
         splits = load_digits_splits(config.eval_fraction)
     elif config.dataset in _CIFAR:
         splits = load_cifar_splits(config.dataset, config.data_dir, download)
+    elif config.dataset in TASKS:
+        generated = load_generated(config.dataset, config.dataset_kwargs, config.image_hw, config.data_dir or "data")
+        splits = DataSplits(generated.train, generated.test, generated.num_classes, generated.mean, generated.std)
     else:
         splits = load_imagefolder_splits(config.data_dir, config.eval_fraction)
     return DataSplits(
