@@ -185,7 +185,7 @@ def check_values(config: TrainConfig) -> None:
         try:
             task_options(config.dataset, config.dataset_kwargs, config.image_hw)
         except ValueError as error:
-            raise ConfigError(f"dataset_kwargs: {error}") from None
+            raise ConfigError(str(error)) from None
     elif config.dataset_kwargs:
         raise ConfigError(f"dataset_kwargs: dataset {config.dataset!r} takes no options; generated ones do: {', '.join(TASKS)}")
     for key in ("epochs", "batch_size", "grad_accum_steps", "patch_size", "embed_dim", "depth", "num_heads",

@@ -77,20 +77,22 @@ def clutter_count(options: ClutteredDigitsOptions, image_hw: tuple[int, int]) ->
 
 
 def check_options(options: ClutteredDigitsOptions, image_hw: tuple[int, int]) -> None:
-    if not 8 <= options.digit_size <= min(image_hw):
-        raise ValueError(
-            f"cluttered-digits option digit_size: must be in [8, image side {min(image_hw)}], got {options.digit_size}"
-        )
+    if not 8 <= options.digit_size:
+        raise ValueError(f"dataset_kwargs: cluttered-digits option digit_size: must be >= 8, got {options.digit_size}")
     if not 1 <= options.clutter_size <= options.digit_size:
         raise ValueError(
-            f"cluttered-digits option clutter_size: must be in [1, digit_size {options.digit_size}], got {options.clutter_size}"
+            f"dataset_kwargs: cluttered-digits option clutter_size: must be in [1, digit_size {options.digit_size}], "
+            f"got {options.clutter_size}"
         )
     if options.clutter_count < 0:
-        raise ValueError(f"cluttered-digits option clutter_count: must be >= 0 (0: the default density), got {options.clutter_count}")
+        raise ValueError(
+            f"dataset_kwargs: cluttered-digits option clutter_count: must be >= 0 (0: the default density), "
+            f"got {options.clutter_count}"
+        )
     if min(image_hw) < options.digit_size + options.clutter_size:
         raise ValueError(
-            f"cluttered-digits: a {image_hw[0]}x{image_hw[1]} canvas leaves no room for clutter around a "
-            f"{options.digit_size} px digit; use a larger image or a smaller digit_size"
+            f"img_size: a {image_hw[0]}x{image_hw[1]} canvas leaves no room for {options.clutter_size} px clutter "
+            f"around a {options.digit_size} px digit (the recipe, configs/cluttered_digits.yaml, draws 128 px canvases)"
         )
 
 

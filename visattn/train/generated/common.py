@@ -54,20 +54,24 @@ class Task:
 
 
 def parse_options(task: Task, values: Mapping[str, Any]) -> Any:
-    """``values`` as ``task``'s options; ValueError naming a key it does not take or a value of the wrong type."""
+    """``values`` as ``task``'s options; ValueError naming a key it does not take or a value of the wrong type.
+
+    The messages start with the config key at fault (``dataset_kwargs``), as the task's ``check`` ones do
+    (``dataset_kwargs`` or ``img_size``)."""
     fields = {f.name: f for f in dataclasses.fields(task.options)}
     hints = typing.get_type_hints(task.options)
     for key, value in values.items():
         if key not in fields:
-            raise ValueError(f"dataset {task.name!r} has no option {key!r}; its options: {', '.join(fields)}")
+            raise ValueError(f"dataset_kwargs: dataset {task.name!r} has no option {key!r}; its options: {', '.join(fields)}")
         expected = hints[key]
         ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             ok = True
         if not ok:
-            raise ValueError(f"dataset {task.name!r} option {key!r}: expected {expected.__name__}, got {value!r}")
-    options = task.options(**values)
+            raise ValueError(f"dataset_kwargs: {task.name} option {key!r}: expected {expected.__name__}, got {value!r}")
+    floats = {key for key, hint in hints.items() if hint is float}
+    options = task.options(**{key: float(value) if key in floats else value for key, value in values.items()})
     for split in SPLITS:
         if options.size(split) < 1:
-            raise ValueError(f"dataset {task.name!r} option {split}_size: must be >= 1, got {options.size(split)}")
+            raise ValueError(f"dataset_kwargs: {task.name} option {split}_size: must be >= 1, got {options.size(split)}")
     return options

@@ -6,8 +6,8 @@ strokes ("paddles") separated by gaps; each paddle turns from the previous one b
 density proportional to cos^2(continuity * angle), so the turn never exceeds 90 / continuity degrees.
 Two target curves start ``seed_distance`` apart; in a positive image the markers sit on both ends of
 one of them, in a negative image on the start of one and the end of the other. Shorter distractor
-curves fill the rest of the canvas. No stroke comes closer to a stroke of another curve (or of the same
-curve, beyond its neighbour) than ``clearance``, and no stroke comes near a target curve's end, so the
+curves fill the rest of the canvas. No stroke's edge comes closer to a stroke of another curve (or of the
+same curve, beyond its neighbours) than ``clearance``, nor to a target curve's end marker, so the
 only way from one marker to the other is along a curve: the label is decided by the generator's own
 paddle graph (:attr:`Scene.connected`) and the rendered image agrees with it once the dash gaps are
 bridged (the tests flood-fill every generated image).
@@ -16,7 +16,7 @@ The geometry follows the published generator's settings for LRA's 128 px images 
 thickness 1.5, gap 2 or 3 drawn per image, marker radius 3, seed distance 20, continuity 1.8,
 contrast 0.9), scaled by ``min(H, W) / 128`` for other sizes; the levels are LRA's three contour lengths
 (6, 9, 14 paddles), with distractors of ``contour_length // 3`` paddles, ``35 // that`` of them. The
-clearance (5.5 px between stroke centre lines) is this module's own: it keeps other curves farther
+clearance (7 px between the edges of strokes, 8.5 px between their centre lines) is this module's own: it keeps other curves farther
 from a curve than the curve's own dash gaps, so that a gap can be told from a junction.
 
 Classes are balanced: odd sample indices are the connected ones. Pure NumPy and Pillow, no torch;
@@ -60,7 +60,7 @@ class Geometry:
     paddle_gaps: tuple[float, ...] = (2.0, 3.0)
     marker_radius: float = 3.0
     seed_distance: float = 20.0
-    clearance: float = 5.5
+    clearance: float = 7.0
     padding: float = 1.0
     continuity: float = 1.8
     contrast: float = 0.9
@@ -119,7 +119,8 @@ class _Claims:
     paddle. A point whose pixel is unclaimed is therefore at least the clearance away from every claiming
     stroke and marker. A marker centre is clear when every pixel of a disk of ``marker radius - stroke
     reach`` (plus slack) around it is: then any stroke is at least ``marker radius + stroke reach +
-    clearance`` from its centre. Pixels too near the border to hold a stroke are walls, and the raster has
+    clearance`` from its centre. A curve's last few paddles are exempt from the test for its next one (their
+    claims reach its start however the curve turns). Pixels too near the border to hold a stroke are walls, and the raster has
     a margin of walls wide enough that a paddle started inside it never indexes outside.
 
     Points are complex numbers ``x + 1j * y`` in the raster's frame: the image's pixel (row r, column c)
@@ -145,6 +146,9 @@ class _Claims:
         self.by_stroke = (2 * stroke + g.clearance + slack) ** 2
         self.by_marker = (marker + stroke + g.clearance + slack) ** 2
         self.reach = math.sqrt(max(self.by_stroke, self.by_marker)) + 1
+        # a curve's own previous paddles whose ends lie, along the curve, within a claim of a new paddle's start
+        step = g.paddle_length + min(g.paddle_gaps)
+        self.exempt_neighbours = max(1, math.ceil((math.sqrt(self.by_stroke) - min(g.paddle_gaps)) / step))
         dy, dx = np.mgrid[-disk:disk + 1, -disk:disk + 1]
         inside = dx**2 + dy**2 <= (marker - stroke + math.sqrt(0.5) + 0.5) ** 2
         self.disk_x, self.disk_y = dx[inside], dy[inside]  # (D,) pixel offsets of the marker test
@@ -229,8 +233,8 @@ class _SceneBuilder:
             marker_at = -1 if marked_ends and step == length - 1 else None
             units = unit * self.turns
             points = (end + self.gap * units)[:, None] + units[:, None] * self.along
-            # a paddle may come near its own curve's previous paddle only
-            weights = np.cumsum(self.turn_weights * self.claims.free(points, marker_at, len(self.paddles) - 1))
+            allowed_from = max(first_paddle, len(self.paddles) - self.claims.exempt_neighbours)
+            weights = np.cumsum(self.turn_weights * self.claims.free(points, marker_at, allowed_from))
             if weights[-1] == 0:
                 self._undo_to(first_paddle)
                 return False
@@ -338,9 +342,12 @@ MIN_SIDE = 64  # below this the strokes are thinner than a pixel
 
 def check_options(options: PathfinderOptions, image_hw: tuple[int, int]) -> None:
     if options.level not in LEVELS:
-        raise ValueError(f"pathfinder level {options.level!r} is not one of {', '.join(LEVELS)}")
+        raise ValueError(f"dataset_kwargs: pathfinder level {options.level!r} is not one of {', '.join(LEVELS)}")
     if min(image_hw) < MIN_SIDE:
-        raise ValueError(f"pathfinder images must be at least {MIN_SIDE} px on each side, got {image_hw[0]}x{image_hw[1]}")
+        raise ValueError(
+            f"img_size: pathfinder images must be at least {MIN_SIDE} px on each side, got {image_hw[0]}x{image_hw[1]} "
+            "(the recipe, configs/pathfinder.yaml, draws them at 128)"
+        )
 
 
 def scene_of(options: PathfinderOptions, image_hw: tuple[int, int], split: str, index: int) -> Scene:
