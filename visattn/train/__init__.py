@@ -4,7 +4,8 @@
     fieldtypes.py   values checked against the fields' type annotations
     cli.py          one flag per field; defaults <- --config <- flags (<- the saved config on --resume)
     augment.py      timm augmentation policies checked before a run starts
-    data.py         datasets (embedded digits, CIFAR, ImageFolder), transforms, seeded augmentation
+    data.py         datasets (embedded digits, CIFAR, ImageFolder, generated tasks), transforms, seeded augmentation
+    generated/      the generated tasks cluttered-digits and pathfinder, drawn from a seed and cached
     build.py        accelerator, data, model, optimizer, scheduler, loaders, mixup from a config
     loop.py         one epoch, evaluation, metrics, weights and checkpoints, the run's summary
     checkpoint.py   run directory and crash-safe checkpoints (visattn.predict loads the trained model)

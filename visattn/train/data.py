@@ -1,4 +1,5 @@
-"""Datasets and transforms for training: the embedded digits, CIFAR-10/100 and any ImageFolder.
+"""Datasets and transforms for training: the embedded digits, CIFAR-10/100, any ImageFolder, and the
+generated tasks of :mod:`visattn.train.generated`.
 
 The embedded default is scikit-learn's handwritten digits (``sklearn.datasets.load_digits``): 1,797
 real 8x8 grey-level scans of the digits 0-9 (the UCI optdigits test set) that ship inside the

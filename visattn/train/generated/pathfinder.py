@@ -16,8 +16,9 @@ The geometry follows the published generator's settings for LRA's 128 px images 
 thickness 1.5, gap 2 or 3 drawn per image, marker radius 3, seed distance 20, continuity 1.8,
 contrast 0.9), scaled by ``min(H, W) / 128`` for other sizes; the levels are LRA's three contour lengths
 (6, 9, 14 paddles), with distractors of ``contour_length // 3`` paddles, ``35 // that`` of them. The
-clearance (7 px between the edges of strokes, 8.5 px between their centre lines) is this module's own: it keeps other curves farther
-from a curve than the curve's own dash gaps, so that a gap can be told from a junction.
+clearance (7 px between the edges of strokes, 8.5 px between their centre lines) is this module's own:
+it keeps other curves farther from a curve than the curve's own dash gaps, so that a gap can be told
+from a junction.
 
 Classes are balanced: odd sample indices are the connected ones. Pure NumPy and Pillow, no torch;
 sample ``index`` of ``split`` is fixed by ``(seed, split, index)`` alone.
@@ -119,9 +120,10 @@ class _Claims:
     paddle. A point whose pixel is unclaimed is therefore at least the clearance away from every claiming
     stroke and marker. A marker centre is clear when every pixel of a disk of ``marker radius - stroke
     reach`` (plus slack) around it is: then any stroke is at least ``marker radius + stroke reach +
-    clearance`` from its centre. A curve's last few paddles are exempt from the test for its next one (their
-    claims reach its start however the curve turns). Pixels too near the border to hold a stroke are walls, and the raster has
-    a margin of walls wide enough that a paddle started inside it never indexes outside.
+    clearance`` from its centre. A curve's last few paddles are exempt from the test for its next one
+    (their claims reach its start however the curve turns). Pixels too near the border to hold a stroke
+    are walls, and the raster has a margin of walls wide enough that a paddle started inside it never
+    indexes outside.
 
     Points are complex numbers ``x + 1j * y`` in the raster's frame: the image's pixel (row r, column c)
     is the raster's (r + pad, c + pad).
@@ -145,17 +147,20 @@ class _Claims:
         # squared claim radii around a paddle and around a marked end
         self.by_stroke = (2 * stroke + g.clearance + slack) ** 2
         self.by_marker = (marker + stroke + g.clearance + slack) ** 2
-        self.reach = math.sqrt(max(self.by_stroke, self.by_marker)) + 1
+        self.stroke_reach = math.sqrt(self.by_stroke) + 1  # half the side of the window a claim may touch
+        self.marker_reach = math.sqrt(max(self.by_stroke, self.by_marker)) + 1
         # a curve's own previous paddles whose ends lie, along the curve, within a claim of a new paddle's start
         step = g.paddle_length + min(g.paddle_gaps)
         self.exempt_neighbours = max(1, math.ceil((math.sqrt(self.by_stroke) - min(g.paddle_gaps)) / step))
         dy, dx = np.mgrid[-disk:disk + 1, -disk:disk + 1]
-        inside = dx**2 + dy**2 <= (marker - stroke + math.sqrt(0.5) + 0.5) ** 2
+        # rounding both the centre and a point of the disk moves each by up to half a pixel diagonal
+        inside = dx**2 + dy**2 <= (marker - stroke + math.sqrt(2)) ** 2
         self.disk_x, self.disk_y = dx[inside], dy[inside]  # (D,) pixel offsets of the marker test
 
     def inside(self, point: complex) -> bool:
         """Whether ``point`` lies in the canvas (so that paddles from it index inside the raster)."""
-        return self.pad <= point.real < self.raster.shape[1] - self.pad and self.pad <= point.imag < self.raster.shape[0] - self.pad
+        height, width = self.raster.shape
+        return self.pad <= point.real < width - self.pad and self.pad <= point.imag < height - self.pad
 
     def free(self, points: np.ndarray, marker_at: int | None, allowed_from: int) -> np.ndarray:
         """(K,) whether the paddles ``points`` (K, S) are clear of every paddle before ``allowed_from``;
@@ -170,10 +175,11 @@ class _Claims:
 
     def claim(self, start: complex, end: complex, markers: list[complex], paddle: int) -> None:
         """Claim the neighbourhood of paddle ``start``-``end`` (and of the markers at its ends) for ``paddle``."""
-        x0 = max(math.floor(min(start.real, end.real) - self.reach), 0)
-        x1 = math.ceil(max(start.real, end.real) + self.reach) + 1
-        y0 = max(math.floor(min(start.imag, end.imag) - self.reach), 0)
-        y1 = math.ceil(max(start.imag, end.imag) + self.reach) + 1
+        reach = self.marker_reach if markers else self.stroke_reach
+        x0 = max(math.floor(min(start.real, end.real) - reach), 0)
+        x1 = math.ceil(max(start.real, end.real) + reach) + 1
+        y0 = max(math.floor(min(start.imag, end.imag) - reach), 0)
+        y1 = math.ceil(max(start.imag, end.imag) + reach) + 1
         dx, dy = self.xs[None, x0:x1] - start.real, self.ys[y0:y1, None] - start.imag
         along = end - start
         t = np.clip((dx * along.real + dy * along.imag) * (1.0 / abs(along) ** 2), 0.0, 1.0)

@@ -50,7 +50,7 @@ def _checksum(arrays: dict[str, np.ndarray]) -> np.ndarray:
     return np.frombuffer(digest.digest(), dtype=np.uint8)
 
 
-def _read(path: Path, size: int, image_hw: tuple[int, int]) -> dict[str, np.ndarray] | None:
+def read_split(path: Path, size: int, image_hw: tuple[int, int]) -> dict[str, np.ndarray] | None:
     """The arrays in ``path`` if it is a whole, unaltered split of ``size`` images of ``image_hw``; else None."""
     try:
         with np.load(path, allow_pickle=False) as stored:
@@ -70,7 +70,7 @@ def _read(path: Path, size: int, image_hw: tuple[int, int]) -> dict[str, np.ndar
     return arrays
 
 
-def _write(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def write_split(path: Path, arrays: dict[str, np.ndarray]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".npz.partial")
     try:
@@ -111,9 +111,9 @@ def load_split(task: Task, options: object, image_hw: tuple[int, int], split: st
     """``split`` from the cache under ``root``, drawn (and cached) when it is missing or not whole."""
     path = cache_path(root, task, options, image_hw, split)
     if path.exists():
-        arrays = _read(path, options.size(split), image_hw)
+        arrays = read_split(path, options.size(split), image_hw)
         if arrays is not None:
             return arrays
     arrays = draw_split(task, options, image_hw, split, workers)
-    _write(path, arrays)
+    write_split(path, arrays)
     return arrays
