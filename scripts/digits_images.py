@@ -4,7 +4,7 @@
     python scripts/digits_images.py digits_png             # the 360 evaluation digits: digits_png/<digit>/<index>.png
     python scripts/digits_images.py digits_png --count 20
 
-The images are the 8x8 grey-level scans as training reads them (visattn.train.data.load_digits_splits,
+The images are the 8x8 grey-level scans as training reads them (visattn.train.datasets.local.load_digits_splits,
 the default 20% evaluation split), saved losslessly; the layout is also an ImageFolder for
 ``train.py --dataset imagefolder``.
 """
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from visattn.train.config import TrainConfig
-from visattn.train.data import load_digits_splits
+from visattn.train.datasets.local import load_digits_splits
 
 
 def main(argv: list[str] | None = None) -> int:

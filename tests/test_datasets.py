@@ -16,6 +16,7 @@ from torch.utils.data import Subset
 
 import visattn  # noqa: F401  (registers the visattn_vit_* models with timm)
 from tests.fake_datasets import CLASS_COLOURS, FAKES, make_fake
+from visattn.train.attention import resolve_attention
 from visattn.train.cli import parse_args
 from visattn.train.config import DATASETS, make_config
 from visattn.train.data import DataError, TransformedDataset, build_transform, load_splits
@@ -164,6 +165,7 @@ def _recipes() -> list[Path]:
 def test_every_recipe_parses_and_its_model_builds(recipe):
     from_file, _, _ = parse_args(["--config", str(recipe)])
     config = make_config(from_file)
+    resolve_attention(config)  # as train.py does: a recipe may key its attn_kwargs by type
     with torch.device("meta"):
         model = timm.create_model(config.model, **config.model_kwargs_for_timm(num_classes=10))
     grid = tuple(model.patch_embed.grid_size)

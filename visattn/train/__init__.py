@@ -6,6 +6,7 @@
     augment.py      timm augmentation policies checked before a run starts
     datasets/       the registry of --dataset names: how each is read, its splits, default size, fetch command
     data.py         the dataset of a config, transforms, seeded augmentation
+    generated/      the generated tasks cluttered-digits and pathfinder, drawn from a seed and cached
     build.py        accelerator, data, model, optimizer, scheduler, loaders, mixup from a config
     loop.py         one epoch, evaluation, metrics, weights and checkpoints, the run's summary
     rundir.py       the run directory: its checks, the run lock, files written whole

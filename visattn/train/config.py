@@ -25,6 +25,7 @@ from visattn.layers.options import load_yaml
 from visattn.train.augment import check_auto_augment
 from visattn.train.datasets import DATASET_SPECS
 from visattn.train.fieldtypes import matches, type_name
+from visattn.train.generated import TASKS, task_options
 
 DATASETS = tuple(DATASET_SPECS)
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
@@ -55,6 +56,10 @@ class TrainConfig:
     )
     img_size: int | list[int] | None = field(
         default=None, metadata=_help("image side, or H,W; images are resized to it (none: the dataset's default size)")
+    )
+    dataset_kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_help("options of a generated dataset, key=value (pathfinder: level=easy; both: seed=0 train_size=10000)"),
     )
     eval_fraction: float = field(
         default=0.2,
@@ -202,6 +207,13 @@ def check_values(config: TrainConfig) -> None:
         raise ConfigError(f"model: {config.model!r} is not a timm model; visattn's: {', '.join(timm.list_models('visattn_*'))}")
     if config.dataset == "imagefolder" and config.data_dir is None:
         raise ConfigError("data_dir: dataset 'imagefolder' needs --data-dir pointing at the image folder")
+    if config.dataset in TASKS:
+        try:
+            task_options(config.dataset, config.dataset_kwargs, config.image_hw)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    elif config.dataset_kwargs:
+        raise ConfigError(f"dataset_kwargs: dataset {config.dataset!r} takes no options; generated ones do: {', '.join(TASKS)}")
     for key in ("epochs", "batch_size", "grad_accum_steps", "patch_size", "embed_dim", "depth", "num_heads",
                 "keep_checkpoints"):
         _at_least(key, getattr(config, key), 1)

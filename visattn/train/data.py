@@ -32,7 +32,11 @@ def load_splits(config: TrainConfig, download: bool = False) -> DataSplits:
     Only ``download`` fetches a missing dataset.
     """
     spec = DATASET_SPECS[config.dataset]
-    splits = spec.load(DataSource(data_dir=config.data_dir, download=download, eval_fraction=config.eval_fraction))
+    source = DataSource(
+        data_dir=config.data_dir, download=download, eval_fraction=config.eval_fraction,
+        options=config.dataset_kwargs, image_hw=config.image_hw,
+    )
+    splits = spec.load(source)
     return DataSplits(
         train=_fixed_subset(splits.train, config.max_train_samples),
         eval=_fixed_subset(splits.eval, config.max_eval_samples),

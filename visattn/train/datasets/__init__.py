@@ -4,11 +4,12 @@ image size, its official splits, how to fetch it).
     spec.py      DatasetSpec, DataSplits, DataError, the fixed stratified cut of a missing split
     local.py     what needs no download: the embedded digits, any ImageFolder
     public.py    public datasets through their torchvision classes (CIFAR, STL-10, Flowers-102, Pets, ...)
+    generated.py the generated tasks (cluttered-digits, pathfinder), drawn from a seed
 """
-from visattn.train.datasets import local, public
+from visattn.train.datasets import generated, local, public
 from visattn.train.datasets.spec import SPLIT_SEED, VAL_FRACTION, DataError, DataSource, DatasetSpec, DataSplits
 
-DATASET_SPECS: dict[str, DatasetSpec] = {spec.name: spec for spec in (*local.SPECS, *public.SPECS)}
+DATASET_SPECS: dict[str, DatasetSpec] = {spec.name: spec for spec in (*local.SPECS, *public.SPECS, *generated.SPECS)}
 
 __all__ = [
     "DATASET_SPECS", "SPLIT_SEED", "VAL_FRACTION", "DataError", "DataSource", "DatasetSpec", "DataSplits",

@@ -4,9 +4,10 @@ that makes a validation (or test) split where the dataset has none."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from sklearn.model_selection import train_test_split
@@ -55,11 +56,14 @@ class DataSplits:
 @dataclass(frozen=True)
 class DataSource:
     """Where and how a dataset is read: its root folder, whether it may be downloaded, the held-out share
-    of datasets that have no test split."""
+    of datasets that have no test split, and what a generated dataset is drawn with (its options,
+    ``dataset_kwargs``, and the image size (H, W))."""
 
     data_dir: str | None
     download: bool
     eval_fraction: float
+    options: Mapping[str, Any] = field(default_factory=dict)
+    image_hw: tuple[int, int] | None = None
 
     @property
     def root(self) -> Path:

@@ -1,0 +1,108 @@
+"""Time the drawing of a generated dataset's split, and measure how far pathfinder's paths reach in patches.
+
+    python scripts/generated_datasets.py time --dataset pathfinder                    # the recipe's train split
+    python scripts/generated_datasets.py time --dataset cluttered-digits --workers 2 --cache /tmp/generated
+    python scripts/generated_datasets.py reach --patch-size 4 --depth 4 --kernel-size 7
+
+``time`` draws the split from scratch (the cache is neither read nor written) in ``--workers``
+processes and prints the wall-clock time and the CPU time of all processes together; with ``--cache
+DIR`` it then writes the split's cache file under DIR and times reading it back. ``reach``
+draws ``--samples`` scenes per pathfinder level and compares the target paths with the receptive
+field of a stack of ``--depth`` neighbourhood-attention blocks of window ``--kernel-size``: a token
+sees ``depth * (kernel_size // 2)`` patches along each axis.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from visattn.train.generated import TASKS, pathfinder, store, task_options  # noqa: E402
+
+
+def cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def time_split(args: argparse.Namespace) -> None:
+    image_hw = (args.img_size, args.img_size)
+    options = task_options(args.dataset, dict(args.option), image_hw)
+    workers = args.workers or store.available_cpus()
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    arrays = store.draw_split(TASKS[args.dataset], options, image_hw, args.split, workers=workers)
+    wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
+    count = len(arrays["labels"])
+    print(
+        f"{args.dataset} {args.split}: {count} images of {image_hw[0]}x{image_hw[1]} in {wall:.1f} s with {workers} "
+        f"processes ({count / wall:.0f} images/s; {cpu:.1f} CPU-s in all, {1000 * cpu / count:.2f} CPU-ms per image)"
+    )
+    if args.cache:
+        path = store.cache_path(args.cache, TASKS[args.dataset], options, image_hw, args.split)
+        store.write_split(path, arrays)
+        wall = time.perf_counter()
+        store.load_split(TASKS[args.dataset], options, image_hw, args.split, args.cache)
+        print(f"read back from {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - wall:.1f} s")
+
+
+def reach(args: argparse.Namespace) -> None:
+    image_hw = (args.img_size, args.img_size)
+    field = args.depth * (args.kernel_size // 2)
+    print(
+        f"{args.depth} neighbourhood blocks of window {args.kernel_size}: a token sees {field} patches each way "
+        f"({field * args.patch_size} px at patch {args.patch_size}); grid {args.img_size // args.patch_size}"
+    )
+    print("| level | paddles | path length (patches) | marker distance, median (patches) | markers > field apart | markers > 2 x field apart |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for level, spec in pathfinder.LEVELS.items():
+        options = pathfinder.PathfinderOptions(level=level, seed=args.seed)
+        lengths, distances = [], []
+        for index in range(args.samples):
+            scene = pathfinder.scene_of(options, image_hw, "train", index)
+            target = scene.paddles[scene.curve_of == scene.marker_curves[0]]
+            strokes = np.linalg.norm(target[:, 1] - target[:, 0], axis=1).sum()
+            gaps = np.linalg.norm(target[1:, 0] - target[:-1, 1], axis=1).sum()
+            lengths.append((strokes + gaps) / args.patch_size)
+            patches = np.floor(scene.markers / args.patch_size)
+            distances.append(np.abs(patches[0] - patches[1]).max())  # Chebyshev: a square window's reach
+        distances = np.array(distances)
+        print(
+            f"| {level} | {spec.contour_length} | {np.mean(lengths):.1f} | {np.median(distances):.0f} | "
+            f"{np.mean(distances > field):.0%} | {np.mean(distances > 2 * field):.0%} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    timing = commands.add_parser("time", help="draw one split and report the time it took")
+    timing.add_argument("--dataset", choices=sorted(TASKS), default="pathfinder")
+    timing.add_argument("--split", choices=("train", "val", "test"), default="train")
+    timing.add_argument("--img-size", type=int, default=128)
+    timing.add_argument("--workers", type=int, help="processes (default: one per CPU this process may use)")
+    timing.add_argument("--cache", help="also time reading the split back from a cache under this folder")
+    timing.add_argument("--option", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                        help="a dataset option, e.g. --option level easy (numbers as integers)")
+    extent = commands.add_parser("reach", help="pathfinder paths against a neighbourhood stack's receptive field")
+    extent.add_argument("--img-size", type=int, default=128)
+    extent.add_argument("--patch-size", type=int, default=4)
+    extent.add_argument("--depth", type=int, default=4)
+    extent.add_argument("--kernel-size", type=int, default=7)
+    extent.add_argument("--samples", type=int, default=400)
+    extent.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.option = [(key, int(value) if value.lstrip("-").isdigit() else value) for key, value in getattr(args, "option", [])]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    (time_split if args.command == "time" else reach)(args)
+
+
+if __name__ == "__main__":
+    main()

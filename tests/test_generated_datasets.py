@@ -1,0 +1,336 @@
+"""The generated tasks: seeded and reproducible, balanced, disjoint splits, labels that the pixels bear
+out (a flood fill for pathfinder, the digit's own pixels for cluttered-digits), and a cache that is
+never trusted when it is not whole."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import ndimage
+
+from visattn.train.cli import parse_args
+from visattn.train.config import ConfigError, make_config
+from visattn.train.data import load_splits
+from visattn.train.generated import TASKS, store, task_options
+from visattn.train.generated import cluttered_digits as cd
+from visattn.train.generated import pathfinder as pf
+from visattn.train.generated.common import SPLITS
+from visattn.train.run_log import SUMMARY_FILE
+
+REPO = Path(__file__).resolve().parents[1]
+PF_HW = (128, 128)  # the published geometry is for 128 px; smaller canvases scale strokes below 2 px
+CD_HW = (64, 64)
+# A flood fill over the rendered ink must cross a curve's dash gaps (2-3 px) but not the clearance
+# between curves (7 px between stroke edges): every inked pixel grown by a disk of this radius.
+BRIDGE_RADIUS = 2
+
+
+def small(task: str, **values) -> object:
+    sizes = dict(train_size=20, val_size=10, test_size=10)
+    hw = PF_HW if task == "pathfinder" else CD_HW
+    return task_options(task, {**sizes, **values}, hw)
+
+
+def draw(task: str, options: object, split: str = "train", workers: int = 1) -> dict[str, np.ndarray]:
+    hw = PF_HW if task == "pathfinder" else CD_HW
+    return store.draw_split(TASKS[task], options, hw, split, workers=workers)
+
+
+def joined_in_image(image: np.ndarray, markers: np.ndarray) -> bool:
+    """Whether the inked pixels, grown by BRIDGE_RADIUS, join the two marker centres (x, y)."""
+    yy, xx = np.mgrid[-BRIDGE_RADIUS:BRIDGE_RADIUS + 1, -BRIDGE_RADIUS:BRIDGE_RADIUS + 1]
+    grown = ndimage.binary_dilation(image > 0, structure=xx**2 + yy**2 <= BRIDGE_RADIUS**2)
+    regions, _ = ndimage.label(grown)
+    first, second = (regions[int(round(y)), int(round(x))] for x, y in markers)
+    assert first and second, "a marker centre is not inked"
+    return first == second
+
+
+def segment_distance(a0: np.ndarray, a1: np.ndarray, b0: np.ndarray, b1: np.ndarray) -> float:
+    """Distance between segments a0-a1 and b0-b1 (points (x, y)), from 41 points along each."""
+    t = np.linspace(0, 1, 41)[:, None]
+    a, b = a0 + t * (a1 - a0), b0 + t * (b1 - b0)
+    return float(np.sqrt(((a[:, None] - b[None]) ** 2).sum(-1)).min())
+
+
+# -- determinism ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_same_seed_same_bytes_other_seed_other_images(task):
+    first, again = draw(task, small(task)), draw(task, small(task))
+    for name in first:
+        assert first[name].tobytes() == again[name].tobytes(), name
+    other = draw(task, small(task, seed=1))
+    assert not np.array_equal(first["images"], other["images"])
+    assert all(not np.array_equal(a, b) for a, b in zip(first["images"], other["images"]))
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_a_sample_depends_on_its_seed_split_and_index_only(task, monkeypatch):
+    options = small(task)
+    monkeypatch.setattr(store, "_CHUNK", 7)  # three chunks over two processes
+    in_processes = draw(task, options, workers=2)
+    in_one = draw(task, options, workers=1)
+    assert in_processes["images"].tobytes() == in_one["images"].tobytes()
+    hw = PF_HW if task == "pathfinder" else CD_HW
+    alone = TASKS[task].generate(options, hw, "train", np.array([13, 4]))
+    assert np.array_equal(alone["images"], in_one["images"][[13, 4]])
+
+
+# -- balance and splits --------------------------------------------------------------------------
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_classes_are_balanced(task):
+    labels = draw(task, small(task))["labels"]
+    classes = TASKS[task].num_classes
+    assert np.array_equal(np.bincount(labels, minlength=classes), np.full(classes, len(labels) // classes))
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_splits_share_no_image(task):
+    options = small(task)
+    seen: dict[str, str] = {}
+    for split in SPLITS:
+        for image in draw(task, options, split)["images"]:
+            digest = hashlib.sha256(image.tobytes()).hexdigest()
+            assert seen.setdefault(digest, split) == split, f"an image of {split} is also in {seen[digest]}"
+
+
+def test_cluttered_digits_splits_draw_on_disjoint_source_digits():
+    _, labels, pools = cd.source_digits(32)
+    assert sum(len(pool) for pool in pools.values()) == len(labels) == 1797
+    assert len(np.unique(np.concatenate(list(pools.values())))) == 1797
+    options = small("cluttered-digits")
+    for split in SPLITS:
+        assert np.isin(draw("cluttered-digits", options, split)["placement"][:, 2], pools[split]).all()
+        assert set(labels[pools[split]]) == set(range(10))
+
+
+# -- pathfinder: the label is what the pixels show --------------------------------------------------
+def dashed_line(start: tuple[float, float], end: tuple[float, float], gap: float, curve: int) -> list[np.ndarray]:
+    """Paddles of length 5 with ``gap`` between them from ``start`` towards ``end`` (x, y)."""
+    start_xy, end_xy = np.array(start, float), np.array(end, float)
+    unit = (end_xy - start_xy) / np.linalg.norm(end_xy - start_xy)
+    paddles, at = [], start_xy
+    while np.linalg.norm(end_xy - at) >= 5:
+        paddles.append(np.stack([at, at + 5 * unit]))
+        at = at + (5 + gap) * unit
+    return paddles
+
+
+def hand_scene(lines: list[list[np.ndarray]], markers: list[tuple[float, float]], marker_curves: tuple[int, int]) -> pf.Scene:
+    paddles = [paddle for line in lines for paddle in line]
+    curve_of = [curve for curve, line in enumerate(lines) for _ in line]
+    return pf.Scene(
+        paddles=np.stack(paddles), curve_of=np.array(curve_of), markers=np.array(markers, float),
+        marker_curves=marker_curves, height=128, width=128, geometry=pf.GEOMETRY,
+    )
+
+
+@pytest.mark.parametrize("gap", [2.0, 3.0])
+@pytest.mark.parametrize("end", [(108.0, 64.0), (100.0, 100.0)], ids=["horizontal", "diagonal"])
+def test_a_straight_dashed_line_between_the_markers_joins_them(gap, end):
+    line = dashed_line((20.0, 64.0), end, gap, curve=0)
+    scene = hand_scene([line], [tuple(line[0][0]), tuple(line[-1][1])], (0, 0))
+    assert scene.connected
+    assert joined_in_image(pf.render(scene), scene.markers)
+
+
+def test_two_dashed_lines_a_clearance_apart_do_not_join():
+    g = pf.GEOMETRY
+    apart = g.paddle_thickness + g.clearance  # between centre lines: the generator's closest
+    upper = dashed_line((20.0, 60.0), (80.0, 60.0), 3.0, curve=0)
+    lower = dashed_line((50.0, 60.0 + apart), (108.0, 60.0 + apart), 3.0, curve=1)
+    markers = [tuple(upper[0][0]), tuple(lower[-1][1])]
+    scene = hand_scene([upper, lower], markers, (0, 1))
+    assert not scene.connected
+    assert not joined_in_image(pf.render(scene), scene.markers)
+    # the same lines with one stroke across do join: the check can fail
+    bridge = [np.array([[64.0, 60.0], [64.0, 60.0 + apart]])]
+    bridged = hand_scene([upper, lower, bridge], markers, (0, 1))
+    assert joined_in_image(pf.render(bridged), bridged.markers)
+
+
+@pytest.mark.parametrize("level", sorted(pf.LEVELS))
+def test_every_pathfinder_label_matches_the_paddle_graph_and_a_flood_fill(level):
+    options = small("pathfinder", level=level, val_size=40)
+    arrays = draw("pathfinder", options, "val")
+    for index, (image, label, markers) in enumerate(zip(arrays["images"], arrays["labels"], arrays["markers"])):
+        scene = pf.scene_of(options, PF_HW, "val", index)
+        assert np.array_equal(pf.render(scene), image) and np.allclose(scene.markers, markers)
+        assert label == scene.connected == (index % 2 == 1)
+        first_curve = scene.paddles[scene.curve_of == scene.marker_curves[0]]
+        second_curve = scene.paddles[scene.curve_of == scene.marker_curves[1]]
+        assert np.allclose(markers[0], first_curve[0, 0]) and np.allclose(markers[1], second_curve[-1, 1])
+        assert len(first_curve) == len(second_curve) == pf.LEVELS[level].contour_length
+        assert joined_in_image(image, markers) == bool(label), f"sample {index}: label {label}"
+
+
+def test_pathfinder_curves_keep_their_clearance_and_stay_smooth():
+    g = pf.GEOMETRY
+    # a paddle may come near its curve's last two (the claims of a paddle 8.5 px + slack wide reach that far)
+    exempt = pf._Claims(128, 128, g, point_spacing=1.0).exempt_neighbours
+    assert exempt == 2
+    for index in range(6):
+        scene = pf.scene_of(small("pathfinder", level="easy"), PF_HW, "train", index)
+        ends = {(c, end) for c in (0, 1) for end in (0, -1)}
+        for i, (a0, a1) in enumerate(scene.paddles):
+            for j in range(i + 1, len(scene.paddles)):
+                if scene.curve_of[i] == scene.curve_of[j] and j <= i + exempt:
+                    continue
+                b0, b1 = scene.paddles[j]
+                assert segment_distance(a0, a1, b0, b1) >= g.paddle_thickness + g.clearance - 1e-6, (index, i, j)
+            for curve, end in ends:
+                if scene.curve_of[i] != curve:
+                    tip = scene.paddles[scene.curve_of == curve][end][0 if end == 0 else 1]
+                    assert segment_distance(a0, a1, tip, tip) >= g.marker_radius + g.paddle_thickness / 2 + g.clearance - 1e-6
+        for curve in np.unique(scene.curve_of):
+            paddles = scene.paddles[scene.curve_of == curve]
+            directions = paddles[:, 1] - paddles[:, 0]
+            angles = np.arctan2(directions[:, 1], directions[:, 0])
+            turns = np.abs((np.diff(angles) + np.pi) % (2 * np.pi) - np.pi)
+            assert (turns < np.pi / (2 * g.continuity)).all()
+            gaps = np.linalg.norm(paddles[1:, 0] - paddles[:-1, 1], axis=1)
+            assert np.isclose(gaps, g.paddle_gaps[0]).all() or np.isclose(gaps, g.paddle_gaps[1]).all()
+
+
+def test_harder_levels_draw_longer_paths():
+    lengths = [pf.LEVELS[name].contour_length for name in ("easy", "intermediate", "hard")]
+    assert lengths == [6, 9, 14]
+    for level in ("easy", "hard"):
+        scene = pf.scene_of(small("pathfinder", level=level), PF_HW, "test", 1)
+        assert (scene.curve_of == 0).sum() == pf.LEVELS[level].contour_length
+
+
+# -- cluttered digits: the label is the digit placed -------------------------------------------------
+def test_the_placed_digit_is_the_label_and_its_core_is_untouched():
+    options = small("cluttered-digits")
+    images, labels, _ = cd.source_digits(options.digit_size)
+    arrays = draw("cluttered-digits", options, "test")
+    margin, size = options.clutter_size // 2, options.digit_size
+    for canvas, label, (top, left, source) in zip(arrays["images"], arrays["labels"], arrays["placement"]):
+        assert labels[source] == label
+        digit = images[source]
+        box = canvas[top:top + size, left:left + size]
+        assert (box >= digit).all(), "clutter may add ink around the digit but never hides it"
+        assert np.array_equal(box[margin:size - margin, margin:size - margin], digit[margin:size - margin, margin:size - margin])
+        outside = canvas.copy()
+        outside[top:top + size, left:left + size] = 0
+        assert outside.any(), "a canvas has clutter"
+
+
+def test_the_digit_core_matches_no_other_source_digit():
+    """The core check can fail: the core of a digit of another class differs."""
+    options = small("cluttered-digits")
+    images, labels, _ = cd.source_digits(options.digit_size)
+    canvas, label, where = cd.draw(options, CD_HW, "train", 3)
+    other = int(np.flatnonzero(labels != label)[0])
+    m, s = options.clutter_size // 2, options.digit_size
+    core = canvas[where.top + m:where.top + s - m, where.left + m:where.left + s - m]
+    assert not np.array_equal(core, images[other][m:s - m, m:s - m])
+
+
+# -- cache -----------------------------------------------------------------------------------------
+def test_the_cache_is_read_back_and_regenerated_when_not_whole(tmp_path, monkeypatch):
+    task, options = TASKS["cluttered-digits"], small("cluttered-digits")
+    drawn = store.load_split(task, options, CD_HW, "val", tmp_path)
+    path = store.cache_path(tmp_path, task, options, CD_HW, "val")
+    assert path.is_file() and not list(path.parent.glob("*.partial"))
+
+    def no_drawing(*args, **kwargs):
+        raise AssertionError("drew a split that is cached")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "draw_split", no_drawing)
+        cached = store.load_split(task, options, CD_HW, "val", tmp_path)
+    assert all(np.array_equal(drawn[name], cached[name]) for name in drawn)
+
+    whole = path.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b"", whole[:-40] + bytes(40)):
+        path.write_bytes(damaged)
+        again = store.load_split(task, options, CD_HW, "val", tmp_path)
+        assert all(np.array_equal(drawn[name], again[name]) for name in drawn)
+        assert path.read_bytes() == whole
+
+    # arrays altered but stored as a valid file: the checksum catches it
+    altered = dict(drawn)
+    altered["labels"] = (drawn["labels"] + 1) % 10
+    np.savez(path, **altered, sha256=store._checksum(drawn))
+    again = store.load_split(task, options, CD_HW, "val", tmp_path)
+    assert np.array_equal(again["labels"], drawn["labels"])
+
+
+def test_the_cache_key_covers_every_option_the_size_the_split_and_the_version():
+    task, options = TASKS["pathfinder"], small("pathfinder")
+    key = store.cache_key(task, options, PF_HW, "train")
+    others = [
+        store.cache_key(task, dataclasses.replace(options, seed=1), PF_HW, "train"),
+        store.cache_key(task, dataclasses.replace(options, level="easy"), PF_HW, "train"),
+        store.cache_key(task, dataclasses.replace(options, train_size=21), PF_HW, "train"),
+        store.cache_key(task, options, (128, 256), "train"),
+        store.cache_key(task, options, PF_HW, "val"),
+        store.cache_key(dataclasses.replace(task, version=task.version + 1), options, PF_HW, "train"),
+    ]
+    assert len({key, *others}) == len(others) + 1
+
+
+# -- selection by the training config ------------------------------------------------------------
+def test_load_splits_serves_a_generated_dataset(tmp_path):
+    config = make_config({
+        "dataset": "pathfinder", "data_dir": str(tmp_path), "img_size": 128, "patch_size": 4,
+        "dataset_kwargs": {"level": "easy", "train_size": 8, "val_size": 4, "test_size": 6},
+    })
+    splits = load_splits(config)
+    assert (len(splits.train), len(splits.eval), splits.num_classes) == (8, 6, 2)
+    image, label = splits.train[1]
+    assert image.mode == "RGB" and image.size == (128, 128) and label == 1
+    assert 0 < splits.mean[0] < 0.2 and splits.std[0] > 0
+    assert len(list((tmp_path / "generated" / "pathfinder").glob("*.npz"))) == 3
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"level": "medium"}},
+         "^dataset_kwargs: pathfinder level 'medium' is not one of easy, intermediate, hard"),
+        ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"levels": "easy"}},
+         "^dataset_kwargs: .* no option 'levels'; its options: seed, train_size"),
+        ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"train_size": 0}}, "train_size: must be >= 1"),
+        ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"seed": "one"}}, "option 'seed': expected int"),
+        ({"dataset": "pathfinder", "img_size": 32}, "^img_size: .* at least 64 px .*configs/pathfinder.yaml"),
+        ({"dataset": "cluttered-digits", "img_size": 32}, "^img_size: a 32x32 canvas leaves no room"),
+        ({"dataset": "cluttered-digits", "img_size": 128, "dataset_kwargs": {"clutter_size": 40}},
+         "clutter_size: must be in \\[1, digit_size 32\\]"),
+        ({"dataset": "digits", "dataset_kwargs": {"level": "easy"}}, "dataset 'digits' takes no options"),
+    ],
+)
+def test_bad_dataset_options_are_config_errors_naming_the_option(values, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(values)
+
+
+def test_the_recipes_run_at_a_grid_of_at_least_1024_tokens():
+    for name, dataset in (("cluttered_digits", "cluttered-digits"), ("pathfinder", "pathfinder")):
+        values, _, _ = parse_args(["--config", str(REPO / "configs" / f"{name}.yaml")])
+        config = make_config(values)
+        assert config.dataset == dataset
+        rows, cols = (side // config.patch_size for side in config.image_hw)
+        assert rows >= 32 and cols >= 32
+
+
+def test_train_py_runs_on_a_generated_dataset(tmp_path):
+    command = [
+        sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "pathfinder.yaml"),
+        "--data-dir", str(tmp_path / "data"), "--run-dir", str(tmp_path / "run"), "--attn", "linear",
+        "--dataset-kwargs", "level=easy", "train_size=16", "val_size=8", "test_size=8",
+        "--embed-dim", "12", "--depth", "1", "--num-heads", "1", "--batch-size", "8", "--epochs", "1",
+        "--warmup-epochs", "0",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / SUMMARY_FILE).is_file()

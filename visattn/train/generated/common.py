@@ -1,0 +1,77 @@
+"""What every generated task shares: split names, per-sample seeds, options and the task description.
+
+A task draws sample ``index`` of ``split`` from its own generator,
+``np.random.default_rng([seed, SPLITS.index(split), index])``, so a sample does not depend on which
+process made it, in what order, or how many samples were made before it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SPLITS = ("train", "val", "test")
+
+
+def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    """The generator of sample ``index`` of ``split``: fixed by the three numbers alone."""
+    return np.random.default_rng([seed, SPLITS.index(split), index])
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    """Options every task has: the dataset seed and the number of images per split."""
+
+    seed: int = 0
+    train_size: int = 10_000
+    val_size: int = 2_000
+    test_size: int = 2_000
+
+    def size(self, split: str) -> int:
+        return getattr(self, f"{split}_size")
+
+
+# generate(options, (H, W), split, indices) -> {"images": (n, H, W) uint8, "labels": (n,) int64, metadata...}
+Generate = Callable[[Any, tuple[int, int], str, np.ndarray], dict[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Task:
+    """A generated dataset: its options (a frozen dataclass whose defaults are the recipe's), the
+    version of its images (part of the cache key: raise it whenever the same options draw other
+    images), the number of classes, and the function that draws samples."""
+
+    name: str
+    options: type
+    version: int
+    num_classes: int
+    generate: Generate
+    check: Callable[[Any, tuple[int, int]], None]
+
+
+def parse_options(task: Task, values: Mapping[str, Any]) -> Any:
+    """``values`` as ``task``'s options; ValueError naming a key it does not take or a value of the wrong type.
+
+    The messages start with the config key at fault (``dataset_kwargs``), as the task's ``check`` ones do
+    (``dataset_kwargs`` or ``img_size``)."""
+    fields = {f.name: f for f in dataclasses.fields(task.options)}
+    hints = typing.get_type_hints(task.options)
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(f"dataset_kwargs: dataset {task.name!r} has no option {key!r}; its options: {', '.join(fields)}")
+        expected = hints[key]
+        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ValueError(f"dataset_kwargs: {task.name} option {key!r}: expected {expected.__name__}, got {value!r}")
+    floats = {key for key, hint in hints.items() if hint is float}
+    options = task.options(**{key: float(value) if key in floats else value for key, value in values.items()})
+    for split in SPLITS:
+        if options.size(split) < 1:
+            raise ValueError(f"dataset_kwargs: {task.name} option {split}_size: must be >= 1, got {options.size(split)}")
+    return options
