@@ -314,7 +314,7 @@ def test_bad_dataset_options_are_config_errors_naming_the_option(values, message
 
 
 def test_the_recipes_run_at_a_grid_of_at_least_1024_tokens():
-    for name, dataset in (("cluttered_digits", "cluttered-digits"), ("pathfinder", "pathfinder")):
+    for name, dataset in (("cluttered-digits", "cluttered-digits"), ("pathfinder", "pathfinder")):
         values, _, _ = parse_args(["--config", str(REPO / "configs" / f"{name}.yaml")])
         config = make_config(values)
         assert config.dataset == dataset
