@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from visattn.train.config import TrainConfig
-from visattn.train.data import load_digits_splits
+from visattn.train.datasets.local import load_digits_splits
 
 
 def main(argv: list[str] | None = None) -> int:
