@@ -13,7 +13,6 @@ override. The run directory gets the effective config, checkpoints (each epoch a
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -34,8 +33,8 @@ from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import DataError
 from visattn.train.initial import load_initial_weights, read_initial_weights
 from visattn.train.loop import (
-    NonFiniteError, Training, check_checkpoint_model, evaluate, finish_epoch, new_trainer_state, summarize,
-    test_best_weights, train_epoch, write_run_files,
+    NonFiniteError, Training, check_checkpoint_model, evaluate, finish_epoch, finish_run, new_trainer_state, train_epoch,
+    write_run_files,
 )
 from visattn.train.overview import run_overview
 
@@ -46,6 +45,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     run_dir = Path(config.run_dir)
     accelerator = build_accelerator(config, run_dir)
     main = accelerator.is_main_process
+    ckpt.check_run_dir(run_dir, options.resume, options.overwrite)  # reads only: a refusal comes before slow work
     # A resumed run takes its weights from its checkpoint; a new one reads its first weights before the rest.
     initial = None if options.resume else read_initial_weights(config)
 
@@ -124,32 +124,9 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         loss_sum, images, train_time = train_epoch(run, epoch)
         finish_epoch(run, epoch, loss_sum, images, train_time)
 
-    summary_file = run_dir / run_log.SUMMARY_FILE
-    if already_finished and summary_file.is_file():
-        summary = json.loads(summary_file.read_text())  # nothing was trained: the run's summary and wall time stand
-    else:
-        summary = summarize(run, test_best_weights(run), time.perf_counter() - started)
-        if "initial_eval_acc" in run.state:
-            summary["initial_acc"] = run.state["initial_eval_acc"]
-        if main:
-            run_log.write_summary(run_dir, summary)
-            run_log.plot_metrics(run_dir, run.state["history"])
-    accelerator.print(
-        f"test accuracy: {100 * summary['test_acc']:.2f}% ({selection_note(summary)}); "
-        f"{summary['images_per_s']:.0f} train img/s; run directory: {run_dir}"
-    )
-    if summary.get("skipped_updates"):
-        accelerator.print(f"{summary['skipped_updates']} update(s) skipped for a non-finite loss or gradient")
+    summary = finish_run(run, already_finished, time.perf_counter() - started)
     accelerator.end_training()
     return summary
-
-
-def selection_note(summary: dict[str, Any]) -> str:
-    """Which weights the test accuracy is of, and how they were chosen."""
-    best = f"{100 * summary['best_acc']:.2f}%"
-    if summary.get("selected_on") == "val":
-        return f"the weights of epoch {summary['best_epoch']}, best on validation at {best}"
-    return f"the last epoch; best on test {best} at epoch {summary['best_epoch']}"
 
 
 def main(argv: list[str] | None = None) -> int:

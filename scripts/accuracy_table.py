@@ -6,8 +6,8 @@
 
 Each type is trained by its own ``train.py`` process, one after the other, into
 ``<run-root>/<attention>`` (replacing what an earlier table left there); arguments after ``--`` go to
-every ``train.py`` run unchanged. The table reads each run's ``summary.json``: test accuracy after the
-last epoch, training images per second, and peak memory (GPU memory allocated by tensors on CUDA; the
+every ``train.py`` run unchanged. The table reads each run's ``summary.json``: test accuracy of the
+weights chosen on validation, training images per second, and peak memory (GPU memory allocated by tensors on CUDA; the
 whole process's peak resident memory on CPU, which includes the Python runtime).
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ What this reads from a run directory (the training side writes them; see :mod:`v
     model.json                timm.create_model name and keywords of the trained model ("model", "kwargs"),
                               the evaluation data config in timm's vocabulary ("data_config": input_size,
                               interpolation, mean, std, crop_pct, crop_mode) and the class names ("class_names")
-    model_best.safetensors    weights of the epoch with the best evaluation accuracy
+    model_best.safetensors    weights of the epoch with the best validation accuracy
     model_last.safetensors    weights after the last finished epoch
 
 The data config and class names go into the model's ``pretrained_cfg`` (``label_names`` for the class

@@ -279,3 +279,34 @@ def summarize(run: Training, test: dict[str, float], seconds: float) -> dict[str
         peak_mem_mib=max(r["peak_mem_mib"] for r in history), mem_kind=history[-1]["mem_kind"],
         wall_time_s=seconds, skipped_updates=run.state.get("skipped_updates", 0),
     )
+
+
+def finish_run(run: Training, already_finished: bool, seconds: float) -> dict[str, Any]:
+    """The run's summary, printed: read back as it stands when nothing was trained (a finished run resumed),
+    else the best weights tested once (:func:`test_best_weights`) and the summary and plot written."""
+    accelerator, run_dir = run.accelerator, run.run_dir
+    summary_file = run_dir / run_log.SUMMARY_FILE
+    if already_finished and summary_file.is_file():
+        summary = json.loads(summary_file.read_text())  # its wall time stands too
+    else:
+        summary = summarize(run, test_best_weights(run), seconds)
+        if "initial_eval_acc" in run.state:
+            summary["initial_acc"] = run.state["initial_eval_acc"]
+        if accelerator.is_main_process:
+            run_log.write_summary(run_dir, summary)
+            run_log.plot_metrics(run_dir, run.state["history"])
+    accelerator.print(
+        f"test accuracy: {100 * summary['test_acc']:.2f}% ({selection_note(summary)}); "
+        f"{summary['images_per_s']:.0f} train img/s; run directory: {run_dir}"
+    )
+    if summary.get("skipped_updates"):
+        accelerator.print(f"{summary['skipped_updates']} update(s) skipped for a non-finite loss or gradient")
+    return summary
+
+
+def selection_note(summary: dict[str, Any]) -> str:
+    """Which weights the test accuracy is of, and how they were chosen."""
+    best = f"{100 * summary['best_acc']:.2f}%"
+    if summary.get("selected_on") == "val":
+        return f"the weights of epoch {summary['best_epoch']}, best on validation at {best}"
+    return f"the last epoch; best on test {best} at epoch {summary['best_epoch']}"
