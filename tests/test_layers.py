@@ -185,3 +185,14 @@ def test_linear_locality_term_is_the_depthwise_convolution_of_v(prefix):
     assert_rms_close(layer(x), expected, 1e-5, "training path")
     with torch.no_grad():
         assert_rms_close(layer(x), expected, 1e-5, "inference path")
+
+
+def test_a_type_without_cost_formulas_cannot_be_built():
+    class NoCost(GridAttention):
+        name = "no_cost"
+
+        def mix(self, q, k, v, grid, attn_mask, is_causal):
+            return v
+
+    with pytest.raises(TypeError, match="mixing_flops, mixing_memory"):
+        NoCost(8, num_heads=2)

@@ -16,6 +16,7 @@ from timm.models.vision_transformer import ParallelScalingBlock
 import visattn
 from tests.helpers import assert_rms_close
 from visattn.layers import GridAttention
+from visattn.layers.cost import MixingMemory
 from visattn.layers.registry import ATTENTION_LAYERS
 from visattn.models import MODEL_SHAPES, PatchGridHook
 from visattn.models.convert import CARRIED_MODULES
@@ -307,6 +308,14 @@ class RefGridProbe(GridAttention):
 
     def mix(self, q, k, v, grid, attn_mask, is_causal):
         return v
+
+    @classmethod
+    def mixing_flops(cls, layout, num_heads, head_dim, options):
+        return 0
+
+    @classmethod
+    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes):
+        return MixingMemory(infer=0, train=0)
 
 
 def test_ref_grid_defaults_to_the_model_grid(monkeypatch):

@@ -147,6 +147,7 @@ class GridAttention(nn.Module, ABC):
         """Token mixing on (B, heads, N, d) -> (B, heads, N, d)."""
 
     @classmethod
+    @abstractmethod
     def mixing_flops(cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any]) -> int:
         """Forward FLOPs of one block's token mixing for one image (counting rules: :mod:`visattn.layers.cost`).
 
@@ -158,6 +159,7 @@ class GridAttention(nn.Module, ABC):
         raise NotImplementedError(f"{cls.__name__} states no mixing_flops; the benchmark needs it to count its cost")
 
     @classmethod
+    @abstractmethod
     def mixing_memory(
         cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any], act_bytes: int
     ) -> MixingMemory:
