@@ -63,7 +63,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     if initial is not None:
         for line in load_initial_weights(model, initial):
             accelerator.print(line)
-    ckpt.check_run_dir(run_dir, options.resume, options.overwrite)
+    ckpt.check_run_dir(run_dir, options.resume, options.overwrite)  # before the lock file lands there
     if main:  # one run writes into a run directory at a time; a second one stops here
         held.enter_context(ckpt.RunLock(run_dir))
         ckpt.check_run_dir(run_dir, options.resume, options.overwrite)  # again: a run may have ended just before
