@@ -17,3 +17,10 @@ def pieces(total: int, step: int) -> Iterator[slice]:
     """Consecutive slices of ``step`` items covering ``range(total)``; the last one may be shorter."""
     for start in range(0, total, step):
         yield slice(start, min(start + step, total))
+
+
+def even_pieces(total: int, most: int) -> Iterator[slice]:
+    """As few consecutive slices covering ``range(total)`` as hold at most ``most`` items each, of equal
+    length but for the last (``total = 1,025, most = 672`` gives 513 and 512, not 672 and 353)."""
+    count = -(-total // most)
+    yield from pieces(total, -(-total // count))

@@ -2,6 +2,13 @@
 map and products stay in cache; the backward pass recomputes the feature maps, so a training step
 stores only q, k, v and the (d, d + 1) state.
 
+A block is a run of whole images, or a run of tokens of one image when an image alone exceeds the
+cache budget: either way its tokens are consecutive rows of the (B * N, C) token matrix, and its work
+buffers (b, heads, n, d) are laid out so that images and heads fold into one batch dimension of the
+matrix products. Blocks are sized from the shapes, not one token count for any batch (ViT-S, 6 heads of
+64): at 64 images of 197 tokens a block holds 3 whole images, at 16 images of 1,025 tokens half an image,
+at one image of 16,385 tokens 656 tokens.
+
 :func:`packed_linear_attn` runs the same on the qkv projection itself, so its gradient comes back in
 one piece. Every sum over tokens is taken in fp32, also under fp16/bf16 autocast, and the normalizer
 is clamped away from zero.
@@ -9,104 +16,135 @@ is clamped away from zero.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from visattn.ops._checks import check_packed_qkv, check_qkv
 from visattn.ops._layout import split_heads, split_qkv, token_major_empty
-from visattn.ops._pieces import items_per_piece, pieces
+from visattn.ops._pieces import even_pieces, items_per_piece
 from visattn.ops.linear.feature_maps import FeatureMap, get_feature_map
 
-# Values per (B, heads, n, d) tensor of a token block: a block's feature map and products stay in
-# cache, so every input is read from memory once per pass.
-BLOCK_ELEMENTS = 1 << 19
+# Values per fp32 work buffer of a block on the CPU (1 MiB): the block's feature maps and products stay
+# in a core's cache, so every input is read from memory once per pass. Other devices take one block.
+BLOCK_ELEMENTS = 1 << 18
+# Fewest tokens in a block that splits an image: thinner matrix products run far below speed.
+MIN_BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Block:
+    """Images ``images`` and, of each, tokens ``tokens``: rows ``rows`` of the (B * N, C) token matrix."""
+
+    images: slice
+    tokens: slice
+    rows: slice
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(images, tokens)."""
+        return self.images.stop - self.images.start, self.tokens.stop - self.tokens.start
+
+
+def token_blocks(batch: int, n: int, values_per_token: int, device: torch.device) -> list[Block]:
+    """The blocks of B images of N tokens with ``values_per_token`` values per work buffer: as many whole
+    images as fit in :data:`BLOCK_ELEMENTS`, else runs of tokens of one image; a single block off the CPU."""
+    if device.type != "cpu":
+        return [Block(slice(0, batch), slice(0, n), slice(0, batch * n))]
+    per_image = n * values_per_token
+    if per_image <= BLOCK_ELEMENTS:
+        return [
+            Block(images, slice(0, n), slice(images.start * n, images.stop * n))
+            for images in even_pieces(batch, BLOCK_ELEMENTS // per_image)
+        ]
+    step = items_per_piece(BLOCK_ELEMENTS, values_per_token, minimum=MIN_BLOCK_TOKENS)
+    return [
+        Block(slice(image, image + 1), tokens, slice(image * n + tokens.start, image * n + tokens.stop))
+        for image in range(batch)
+        for tokens in even_pieces(n, step)
+    ]
 
 
 class TokenBlocks:
-    """Token blocks of (B, heads, N, d) tensors and two reusable fp32 work buffers of one block."""
+    """The blocks of a (B, heads, N, .) computation and their fp32 work buffers, reused from block to block."""
 
-    def __init__(self, batch: int, heads: int, n: int, d: int, device: torch.device) -> None:
-        self.n = n
-        self.step = min(n, items_per_piece(BLOCK_ELEMENTS, batch * heads * d, minimum=16))
-        # token-major in memory, as q, k, v come (views of a projection): elementwise passes between them
-        # then run over whole tokens of heads x d contiguous values, not rows of d
-        self.buffers = [
-            torch.empty(batch, self.step, heads, d, dtype=torch.float32, device=device).transpose(1, 2) for _ in range(2)
-        ]
+    def __init__(self, batch: int, heads: int, n: int, width: int, device: torch.device) -> None:
+        """``width``: the widest work buffer per head and token (e.g. d + 1)."""
+        self.heads, self.device = heads, device
+        self.blocks = token_blocks(batch, n, heads * width, device)
+        self._largest = max(b * m for b, m in (block.size for block in self.blocks))
+        self._storage: dict[str, torch.Tensor] = {}
 
-    @classmethod
-    def like(cls, t: torch.Tensor) -> "TokenBlocks":
-        return cls(*t.shape, t.device)
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self.blocks)
 
-    def __iter__(self) -> Iterator[tuple[slice, list[torch.Tensor]]]:
-        """Yields (token slice, the two work buffers cut to the block's length)."""
-        for blk in pieces(self.n, self.step):
-            yield blk, [buf[:, :, : blk.stop - blk.start] for buf in self.buffers]
+    def buffer(self, name: str, block: Block, width: int) -> torch.Tensor:
+        """The work buffer ``name`` for ``block``: (b, heads, n, width) fp32, contiguous."""
+        flat = self._storage.get(name)
+        if flat is None or flat.numel() < self._largest * self.heads * width:
+            flat = self._storage[name] = torch.empty(self._largest * self.heads * width, device=self.device)
+        b, n = block.size
+        return flat[: b * self.heads * n * width].view(b, self.heads, n, width)
 
+    def feature_map(self, phi: FeatureMap, x: torch.Tensor, block: Block) -> torch.Tensor:
+        """phi(x) of the block's (b, heads, n, d) slice ``x`` (any strides, any float dtype), in the
+        ``"phi"`` buffer."""
+        d = x.shape[-1]
+        return phi.fast_into(x, self.buffer("phi", block, d), self.buffer("scratch", block, d))
 
-def _matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` written into ``out`` (any strides), converting when out is not fp32."""
-    if out.dtype == a.dtype:
-        return torch.matmul(a, b, out=out)
-    return out.copy_(a @ b)
+    def with_ones(self, v: torch.Tensor, block: Block, name: str = "ext") -> torch.Tensor:
+        """[v, 1] (b, heads, n, e + 1) in the buffer ``name``: the ones column sums the normalizer beside
+        the values in the same product."""
+        e = v.shape[-1]
+        ext = self.buffer(name, block, e + 1)
+        ext[..., :e] = v
+        ext[..., e] = 1.0
+        return ext
 
 
 def kv_state(
-    keys_values: Callable[[slice], tuple[torch.Tensor, torch.Tensor]], blocks: TokenBlocks, phi: FeatureMap
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``S = phi(k)^T v`` (B, h, d, e) and ``z = phi(k)^T 1`` (B, h, d, 1), fp32, from the key and value
-    blocks (B, h, n, d) that ``keys_values(tokens)`` gives for the token slices of ``blocks``."""
-    kv = k_sum = None
-    for blk, (phi_k, scratch) in blocks:
-        k_blk, v_blk = keys_values(blk)
-        phi.fast_into(k_blk, phi_k, scratch)
-        kv_blk = phi_k.transpose(-2, -1) @ v_blk.float()
-        kv = kv_blk if kv is None else kv.add_(kv_blk)
-        k_sum = phi_k.sum(dim=-2) if k_sum is None else k_sum.add_(phi_k.sum(dim=-2))
-    return kv, k_sum.unsqueeze(-1)
-
-
-def _normalized_phi_q(
-    q_blk: torch.Tensor, k_sum: torch.Tensor, phi: FeatureMap, eps: float, phi_q: torch.Tensor, scaled: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Writes phi(q) into ``phi_q`` and ``phi(q) / den`` into ``scaled`` (so that the output is
-    ``scaled @ S``); returns the normalizer ``den = max(phi(q) . z, eps)`` (B, h, n, 1) and whether the
-    clamp let it through (its gradient is zero where it did not)."""
-    phi.fast_into(q_blk, phi_q, scaled)
-    den = phi_q @ k_sum
-    live = den >= eps
-    den.clamp_min_(eps)
-    torch.mul(phi_q, den.reciprocal(), out=scaled)
-    return den, live
+    keys_values: Callable[[Block], tuple[torch.Tensor, torch.Tensor]], blocks: TokenBlocks, phi: FeatureMap, batch: int
+) -> torch.Tensor:
+    """The state ``[S, z] = phi(k)^T [v, 1]`` (B, h, d, e + 1), fp32: S = phi(k)^T v and z = phi(k)^T 1 side
+    by side, from the key and value blocks (b, h, n, d) that ``keys_values(block)`` gives."""
+    state = None
+    for block in blocks:
+        k_blk, v_blk = keys_values(block)
+        if state is None:
+            state = torch.zeros(batch, blocks.heads, k_blk.shape[-1], v_blk.shape[-1] + 1, device=k_blk.device)
+        phi_k = blocks.feature_map(phi, k_blk, block)
+        state[block.images] += phi_k.transpose(-2, -1) @ blocks.with_ones(v_blk, block)
+    return state
 
 
 def attend(
-    queries: Callable[[slice], torch.Tensor],
-    kv: torch.Tensor,
-    k_sum: torch.Tensor,
+    queries: Callable[[Block], torch.Tensor],
+    state: torch.Tensor,
     blocks: TokenBlocks,
     phi: FeatureMap,
     eps: float,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Writes ``phi(q) S / max(phi(q) z, eps)`` into ``out`` (B, h, N, e), block by block of ``queries``."""
-    for blk, (phi_q, scaled) in blocks:
-        _normalized_phi_q(queries(blk), k_sum, phi, eps, phi_q, scaled)
-        _matmul_into(scaled, kv, out[:, :, blk])
+    e = out.shape[-1]
+    for block in blocks:
+        phi_q = blocks.feature_map(phi, queries(block), block)
+        num_den = torch.matmul(phi_q, state[block.images], out=blocks.buffer("ext", block, e + 1))
+        torch.div(num_den[..., :e], num_den[..., e:].clamp_min_(eps), out=out[block.images, :, block.tokens])
     return out
 
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi: FeatureMap, eps: float, out: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The output (B, h, N, e), written into ``out`` if given, else token-major in memory, and S, z."""
-    batch, heads, n, _ = q.shape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output (B, h, N, e), written into ``out`` if given, else token-major in memory, and [S, z]."""
+    batch, heads, n, e = v.shape
     with torch.autocast(device_type=q.device.type, enabled=False):
-        blocks = TokenBlocks.like(k)
-        kv, k_sum = kv_state(lambda blk: (k[:, :, blk], v[:, :, blk]), blocks, phi)
-        out = token_major_empty(batch, heads, n, v.shape[-1], v) if out is None else out
-        attend(lambda blk: q[:, :, blk], kv, k_sum, blocks, phi, eps, out)
-    return out, kv, k_sum
+        blocks = TokenBlocks(batch, heads, n, max(q.shape[-1], e + 1), q.device)
+        state = kv_state(lambda b: (k[b.images, :, b.tokens], v[b.images, :, b.tokens]), blocks, phi, batch)
+        out = token_major_empty(batch, heads, n, e, v) if out is None else out
+        attend(lambda b: q[b.images, :, b.tokens], state, blocks, phi, eps, out)
+    return out, state
 
 
 def _backward(
@@ -114,42 +152,51 @@ def _backward(
 ) -> None:
     """Writes dq, dk, dv into ``grads`` (three tensors shaped like q, k, v, any strides).
 
-    With S = phi(k)^T v, z = phi(k)^T 1, den = max(phi(q) z, eps), a = phi(q) / den, out = a S, and the
-    output gradient g: t = g S^T, c = -(t . a) where the clamp passes (0 elsewhere),
-    dphi(q) = (t + c z^T) / den, dS = a^T g, dz = a^T c, dphi(k) = v dS^T + 1 dz^T, dv = phi(k) dS.
+    With the state [S, z] = phi(k)^T [v, 1], [num, den] = phi(q) [S, z], out = num / max(den, eps) and
+    the output gradient g: the gradient of [num, den] is g' = [g, c] / max(den, eps) with
+    c = -(g . out) where the clamp passes (0 elsewhere); then dphi(q) = g' [S, z]^T,
+    d[S, z] = phi(q)^T g', dphi(k) = [v, 1] d[S, z]^T and dv = phi(k) dS.
     """
-    q, k, v, kv, k_sum = saved
+    q, k, v, state = saved
     dq, dk, dv = grads
-    grad_kv, grad_k_sum = torch.zeros_like(kv), torch.zeros_like(k_sum)
+    batch, heads, n, e = v.shape
+    grad_state = torch.zeros_like(state)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        kv_t, k_sum_t = kv.transpose(-2, -1), k_sum.transpose(-2, -1)
-        blocks = TokenBlocks.like(q)
-        for blk, (phi_q, scaled) in blocks:
-            den, live = _normalized_phi_q(q[:, :, blk], k_sum, phi, eps, phi_q, scaled)
-            g = grad_out[:, :, blk].float()
-            t = g @ kv_t  # (B, h, n, d)
-            c = torch.linalg.vecdot(t, scaled).unsqueeze(-1).neg_().mul_(live)
-            grad_kv += scaled.transpose(-2, -1) @ g
-            grad_k_sum += scaled.transpose(-2, -1) @ c
-            t.addcmul_(c, k_sum_t)
-            torch.mul(t, phi.derivative_(phi_q).div_(den), out=dq[:, :, blk])
-        grad_kv_t, grad_k_sum_t = grad_kv.transpose(-2, -1), grad_k_sum.transpose(-2, -1)
-        for blk, (phi_k, scratch) in blocks:
-            phi.fast_into(k[:, :, blk], phi_k, scratch)
-            _matmul_into(phi_k, grad_kv, dv[:, :, blk])
-            grad_phi_k = torch.matmul(v[:, :, blk].float(), grad_kv_t, out=scratch).add_(grad_k_sum_t)
-            torch.mul(grad_phi_k, phi.derivative_(phi_k), out=dk[:, :, blk])
+        blocks = TokenBlocks(batch, heads, n, max(q.shape[-1], e + 1), q.device)
+        for block in blocks:
+            images, tokens = block.images, block.tokens
+            phi_q = blocks.feature_map(phi, q[images, :, tokens], block)
+            num_den = torch.matmul(phi_q, state[images], out=blocks.buffer("ext", block, e + 1))
+            den = num_den[..., e:]
+            live = den >= eps
+            den.clamp_min_(eps)
+            grad_ext = blocks.buffer("grad_ext", block, e + 1)
+            torch.div(grad_out[images, :, tokens], den, out=grad_ext[..., :e])
+            c = torch.linalg.vecdot(grad_ext[..., :e], num_den[..., :e]).unsqueeze(-1)  # g . num / den
+            torch.div(c, den, out=grad_ext[..., e:]).neg_().mul_(live)
+            grad_state[images] += phi_q.transpose(-2, -1) @ grad_ext
+            grad_phi_q = torch.matmul(grad_ext, state[images].transpose(-2, -1), out=blocks.buffer("scratch", block, q.shape[-1]))
+            torch.mul(grad_phi_q, phi.derivative_(phi_q), out=dq[images, :, tokens])
+        grad_state_t = grad_state.transpose(-2, -1)
+        for block in blocks:
+            images, tokens = block.images, block.tokens
+            phi_k = blocks.feature_map(phi, k[images, :, tokens], block)
+            v_ext = blocks.with_ones(v[images, :, tokens], block)
+            grad_v = torch.matmul(phi_k, grad_state[images, ..., :e], out=blocks.buffer("grad_ext", block, e))
+            dv[images, :, tokens] = grad_v
+            grad_phi_k = torch.matmul(v_ext, grad_state_t[images], out=blocks.buffer("scratch", block, k.shape[-1]))
+            torch.mul(grad_phi_k, phi.derivative_(phi_k), out=dk[images, :, tokens])
 
 
 class _BlockedLinearAttention(torch.autograd.Function):
-    """Saves q, k, v and the small S, z; the backward pass recomputes the feature maps block by block,
-    so a training step stores no (N, d) tensor of its own. The output is laid out token-major,
+    """Saves q, k, v and the small state [S, z]; the backward pass recomputes the feature maps block by
+    block, so a training step stores no (N, d) tensor of its own. The output is laid out token-major,
     (B, N, h, e) in memory, so merging the heads afterwards is a view."""
 
     @staticmethod
     def forward(ctx, q, k, v, phi: FeatureMap, eps: float):
-        out, kv, k_sum = _forward(q, k, v, phi, eps)
-        ctx.save_for_backward(q, k, v, kv, k_sum)
+        out, state = _forward(q, k, v, phi, eps)
+        ctx.save_for_backward(q, k, v, state)
         ctx.phi, ctx.eps = phi, eps
         return out
 
@@ -173,17 +220,17 @@ class _PackedLinearAttention(torch.autograd.Function):
     def forward(ctx, qkv, num_heads: int, phi: FeatureMap, eps: float):
         dim = qkv.shape[2] // 3
         merged = qkv.new_empty(*qkv.shape[:2], dim)  # not a view: callers may add to it in place
-        _, kv, k_sum = _forward(*split_qkv(qkv, num_heads), phi, eps, out=split_heads(merged, num_heads))
-        ctx.save_for_backward(qkv, kv, k_sum)
+        _, state = _forward(*split_qkv(qkv, num_heads), phi, eps, out=split_heads(merged, num_heads))
+        ctx.save_for_backward(qkv, state)
         ctx.num_heads, ctx.phi, ctx.eps = num_heads, phi, eps
         return merged, qkv[..., 2 * dim :]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_values):
-        qkv, kv, k_sum = ctx.saved_tensors
+        qkv, state = ctx.saved_tensors
         grad_qkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
-        saved = (*split_qkv(qkv, ctx.num_heads), kv, k_sum)
+        saved = (*split_qkv(qkv, ctx.num_heads), state)
         _backward(saved, split_heads(grad_out, ctx.num_heads), ctx.phi, ctx.eps, split_qkv(grad_qkv, ctx.num_heads))
         if grad_values is not None:
             grad_qkv[..., 2 * (qkv.shape[2] // 3) :] += grad_values

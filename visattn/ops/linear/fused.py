@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from visattn.ops._checks import check_positive_int
 from visattn.ops._layout import split_heads
-from visattn.ops.linear.blocked import TokenBlocks, attend, kv_state
+from visattn.ops.linear.blocked import Block, TokenBlocks, attend, kv_state
 from visattn.ops.linear.feature_maps import get_feature_map
 
 
@@ -67,25 +67,27 @@ def fused_qkv_linear_attn(
     device = x.device.type
     caller_autocast = {"enabled": torch.is_autocast_enabled(device), "dtype": torch.get_autocast_dtype(device)}
 
-    def project(blk: slice, rows: slice, bias: torch.Tensor | None) -> torch.Tensor:  # (B, n, len(rows))
-        with torch.autocast(device_type=device, **caller_autocast):  # as the plain projection would run
-            return F.linear(x[:, blk], qkv_weight[rows], bias)
-
     values_dtype = caller_autocast["dtype"] if caller_autocast["enabled"] else x.dtype
     values = x.new_empty(batch, n, dim, dtype=values_dtype) if keep_values else None
+    tokens = x.reshape(batch * n, -1)  # a block's tokens are consecutive rows of it
 
-    def keys_values(blk: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, vals = project(blk, slice(dim, None), kv_bias).chunk(2, dim=-1)  # (B, n, C) each
+    def project(block: Block, rows: slice, bias: torch.Tensor | None) -> torch.Tensor:  # (b, n, len(rows))
+        with torch.autocast(device_type=device, **caller_autocast):  # as the plain projection would run
+            return F.linear(tokens[block.rows], qkv_weight[rows], bias).view(*block.size, -1)
+
+    def keys_values(block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, vals = project(block, slice(dim, None), kv_bias).chunk(2, dim=-1)  # (b, n, C) each
         if values is not None:
-            values[:, blk] = vals
+            values.view(batch * n, dim)[block.rows] = vals.flatten(0, 1)
         return k_norm(split_heads(keys, num_heads)), split_heads(vals, num_heads)
 
-    def queries(blk: slice) -> torch.Tensor:
-        return q_norm(split_heads(project(blk, slice(None, dim), q_bias), num_heads))
+    def queries(block: Block) -> torch.Tensor:
+        return q_norm(split_heads(project(block, slice(None, dim), q_bias), num_heads))
 
-    blocks = TokenBlocks(batch, num_heads, n, dim // num_heads, x.device)
+    d = dim // num_heads
+    blocks = TokenBlocks(batch, num_heads, n, d + 1, x.device)
     with torch.autocast(device_type=device, enabled=False):
-        kv, k_sum = kv_state(keys_values, blocks, phi)
+        state = kv_state(keys_values, blocks, phi, batch)
         out = x.new_empty(batch, n, dim, dtype=values_dtype)  # in the values' dtype, as in linear_attn()
-        attend(queries, kv, k_sum, blocks, phi, eps, split_heads(out, num_heads))
+        attend(queries, state, blocks, phi, eps, split_heads(out, num_heads))
     return (out, values) if keep_values else out
