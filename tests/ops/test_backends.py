@@ -102,7 +102,7 @@ def test_local_paths_match_naive(b, heads, grid, p, d, op, backend):
         lambda q, k, v: fast(q, k, v, grid, p, backend),
         lambda q, k, v: naive(q, k, v, grid, p),
         [q, k, v],
-        differentiable=backend == "gathered",
+        differentiable=backend != "chunked",
     )
 
 
@@ -154,7 +154,8 @@ def test_choices_are_named_and_logged(debug_log):
     q, k, v = _qkv(1, 2, (3, 4), 1, 8)
     with torch.no_grad():
         ops.axial_attn(q, k, v, (3, 4), 1)
-        ops.longformer_attn(q, k, v, (3, 4), 1, kernel_size=3)
+        ops.longformer_attn(q, k, v, (3, 4), 1, kernel_size=3)  # the windows cover the grid: dense
+        ops.longformer_attn(*_qkv(1, 2, (12, 12), 1, 8), (12, 12), 1, kernel_size=3, tile_size=2)
     ops.linear_attn(q, k, v)
     ops.linear_attn(q, k, v, causal=True)
     ops.axial_attn(*(t.requires_grad_(True) for t in (q, k, v)), (3, 4), 1)
@@ -162,6 +163,7 @@ def test_choices_are_named_and_logged(debug_log):
         ops.axial_attn(q, k, v, (3, 4), 1)
     assert debug_log.messages == [
         "axial: sdpa backend (chosen)",
+        "local: dense backend (chosen)",
         "local: chunked backend (chosen)",
         "linear: blocked backend (chosen)",
         "linear: chunk backend (chosen)",
@@ -169,7 +171,7 @@ def test_choices_are_named_and_logged(debug_log):
         "axial: sdpa_checkpoint backend (chosen)",
     ]
     ops.linear_attn(q, k, v)  # a choice already made is not logged again
-    assert len(debug_log.messages) == 6
+    assert len(debug_log.messages) == 7
 
 
 def test_layer_paths_are_chosen_by_name(debug_log):

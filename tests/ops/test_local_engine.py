@@ -1,5 +1,7 @@
-"""The tiled engine of the local ops: its chunked inference path and its differentiable path agree with
-each other and with the explicit-mask twins, prefix tokens included."""
+"""The tiled engine of the local ops: its chunked inference path, its differentiable gathered path and
+its dense path (all tokens, the windows as a mask) agree with each other and with the explicit-mask
+twins, prefix tokens included. Each path is forced: on these small grids the engine itself would choose
+the dense one."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +13,7 @@ from tests.helpers import assert_rms_close, grads_of
 from visattn.ops import _chunked as chunked
 from visattn.ops import local
 from visattn.ops._naive import naive_masked_attn
+from visattn.ops.backends import force_backend
 from visattn.ops.local import blocked_axis, neighborhood_axis, tiled_local_attn
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
@@ -58,13 +61,15 @@ def test_inference_and_training_paths_match_reference(b, heads, gh, gw, p, prefi
         return tiled_local_attn(q, k, v, rows, cols, num_prefix_tokens=p, prefix_visible=prefix_visible)
 
     expected, expected_grads = grads_of(lambda q, k, v: _reference(q, k, v, window, (gh, gw), p, prefix_visible), q, k, v)
-    trained, grads = grads_of(engine, q, k, v)  # differentiable path
-    with torch.no_grad():
-        inferred = engine(q, k, v)  # chunked path
-    assert_rms_close(trained, expected, 1e-5, "differentiable path")
+    for path in ("gathered", "dense"):  # the differentiable paths
+        with force_backend("local", path):
+            trained, grads = grads_of(engine, q, k, v)
+        assert_rms_close(trained, expected, 1e-5, f"{path} path")
+        for name, g, g_ref in zip("qkv", grads, expected_grads):
+            assert_rms_close(g, g_ref, 1e-5, f"{path} path: d{name}")
+    with torch.no_grad(), force_backend("local", "chunked"):
+        inferred = engine(q, k, v)
     assert_rms_close(inferred, expected, 1e-5, "chunked path")
-    for name, g, g_ref in zip("qkv", grads, expected_grads):
-        assert_rms_close(g, g_ref, 1e-5, f"d{name}")
 
 
 @pytest.mark.parametrize("b,heads,gh,gw,p,prefix_visible,window,d", CASES[1:3], ids=IDS[1:3])
@@ -73,7 +78,7 @@ def test_chunked_path_bf16_and_autocast(b, heads, gh, gw, p, prefix_visible, win
     q, k, v = (torch.randn(b, heads, n, d) for _ in range(3))
     rows, cols = _plans(window, (gh, gw))
     expected = _reference(q, k, v, window, (gh, gw), p, prefix_visible)
-    with torch.no_grad():
+    with torch.no_grad(), force_backend("local", "chunked"):
         out = tiled_local_attn(*(t.bfloat16() for t in (q, k, v)), rows, cols, p, prefix_visible)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             autocast_out = tiled_local_attn(q, k, v, rows, cols, p, prefix_visible)
@@ -82,15 +87,16 @@ def test_chunked_path_bf16_and_autocast(b, heads, gh, gw, p, prefix_visible, win
     assert_rms_close(autocast_out.float(), expected, 2e-2, "autocast")
 
 
-def test_output_is_token_major():
-    """Merging the heads of the output (the layer's next step) is a view, not a copy."""
+@pytest.mark.parametrize("path,grad", [("chunked", False), ("gathered", True), ("dense", False), ("dense", True)])
+def test_output_is_token_major(path, grad):
+    """Merging the heads of the output (the layer's next step) is a view, not a copy, on every path and
+    whatever the layout of q, k, v (here head-major)."""
     q, k, v = (torch.randn(2, 3, 1 + 6 * 5, 8) for _ in range(3))
     rows, cols = _plans(("neighborhood", 3, 4), (6, 5))
-    for grad in (False, True):
-        with torch.set_grad_enabled(grad):
-            out = tiled_local_attn(*(t.requires_grad_(grad) for t in (q, k, v)), rows, cols, 1)
-        merged = out.transpose(1, 2).reshape(2, 31, 24)
-        assert merged.data_ptr() == out.data_ptr() and merged._base is not None
+    with torch.set_grad_enabled(grad), force_backend("local", path):
+        out = tiled_local_attn(*(t.requires_grad_(grad) for t in (q, k, v)), rows, cols, 1)
+    merged = out.transpose(1, 2).reshape(2, 31, 24)
+    assert merged.data_ptr() == out.data_ptr() and merged._base is not None
 
 
 def test_layouts_are_cached():
@@ -115,10 +121,11 @@ def test_a_window_of_one_key_returns_v_exactly(window, p):
         assert torch.count_nonzero(dk) == 0
 
 
+@pytest.mark.parametrize("evaluate,train", [("chunked", "gathered"), ("dense", "dense")])
 @pytest.mark.parametrize("name", ["neighborhood", "sparse", "longformer"])
-def test_training_after_an_inference_mode_forward(name):
-    """The cached plans of an evaluation under torch.inference_mode never reach a training step: a
-    validate-then-train loop runs, and the gradients equal those of a fresh layer."""
+def test_training_after_an_inference_mode_forward(name, evaluate, train):
+    """The cached plans and masks of an evaluation under torch.inference_mode never reach a training step:
+    a validate-then-train loop runs, and the gradients equal those of a fresh layer."""
     grid, p = (6, 7), 1
     x = torch.randn(2, p + grid[0] * grid[1], 16)
 
@@ -129,11 +136,12 @@ def test_training_after_an_inference_mode_forward(name):
         return m
 
     evaluated, fresh = layer(), layer()
-    with torch.inference_mode():
+    with torch.inference_mode(), force_backend("local", evaluate):
         evaluated(x)
     grads = []
     for m in (evaluated, fresh):
-        m(x).square().sum().backward()
+        with force_backend("local", train):
+            m(x).square().sum().backward()
         grads.append([t.grad for t in m.parameters()])
     for g, g_ref in zip(*grads):
         torch.testing.assert_close(g, g_ref)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from visattn.ops._layout import merge_heads, split_heads
-from visattn.ops._pieces import items_per_piece, pieces
+from visattn.ops._pieces import even_pieces, items_per_piece
 
 # A chunk's gathered keys (and values, and queries) hold about this many values each.
 CHUNK_ELEMENTS = 1 << 20
@@ -66,23 +66,38 @@ class Sequences:
 
 @dataclass(frozen=True)
 class _Chunk:
+    """Sequences ``seqs`` of images ``images``; the row indices count from the chunk's first image."""
+
+    images: slice
     seqs: slice
-    q_rows: torch.Tensor  # (B * c * L,) rows of the batch-flattened token matrix gathered as queries
-    kv_rows: torch.Tensor  # (B * c * S,) rows gathered as keys and values
+    q_rows: torch.Tensor  # (b * c * L,) rows of the chunk's images' token matrix gathered as queries
+    kv_rows: torch.Tensor  # (b * c * S,) rows gathered as keys and values
     kept: torch.Tensor | None  # the chunk's query slots that are written out (None: all of them)
-    out_rows: torch.Tensor  # (B * kept slots,) output row of each kept slot
+    out_rows: torch.Tensor  # (b * kept slots,) output row of each kept slot
+
+
+def _chunk_pieces(seqs: Sequences, batch: int, values_per_seq: int) -> list[tuple[slice, slice]]:
+    """(images, sequences) of each chunk: as many whole images as fit in :data:`CHUNK_ELEMENTS`, else the
+    sequences of one image in even runs, so a chunk stays cache-sized at any batch size."""
+    per_image = seqs.num_seqs * values_per_seq
+    if per_image <= CHUNK_ELEMENTS:
+        return [(images, slice(0, seqs.num_seqs)) for images in even_pieces(batch, CHUNK_ELEMENTS // per_image)]
+    per_chunk = items_per_piece(CHUNK_ELEMENTS, values_per_seq)
+    return [(slice(i, i + 1), part) for i in range(batch) for part in even_pieces(seqs.num_seqs, per_chunk)]
 
 
 @cache_per_inference_mode(maxsize=64)
-def _chunks(seqs: Sequences, per_chunk: int, batch: int, num_tokens: int) -> tuple[_Chunk, ...]:
-    """The chunks of ``per_chunk`` sequences, as row indices into the (B * N, .) token matrix."""
-    offset = torch.arange(batch, device=seqs.q_index.device)[:, None] * num_tokens  # (B, 1)
+def _chunks(seqs: Sequences, batch: int, values_per_seq: int, num_tokens: int) -> tuple[_Chunk, ...]:
+    """The chunks, as row indices into the (b * N, .) token matrix of each chunk's images."""
     chunks = []
-    for part in pieces(seqs.num_seqs, per_chunk):
+    for images, part in _chunk_pieces(seqs, batch, values_per_seq):
+        b = images.stop - images.start
+        offset = torch.arange(b, device=seqs.q_index.device)[:, None] * num_tokens  # (b, 1)
         dest = seqs.dest[part].flatten()
         kept = dest >= 0
         chunks.append(
             _Chunk(
+                images,
                 part,
                 (offset + seqs.q_index[part].flatten()).flatten(),
                 (offset + seqs.kv_index[part].flatten()).flatten(),
@@ -113,7 +128,7 @@ def attend_in_chunks(
         ``seqs.dest``; the other rows are left uninitialised for the caller.
     """
     L, S = seqs.q_index.shape[1], seqs.kv_index.shape[1]
-    per_chunk = items_per_piece(CHUNK_ELEMENTS, batch * S * k.shape[1])
+    num_tokens = q.shape[0] // batch
     buffers: dict[tuple[str, int], torch.Tensor] = {}
     out = None
 
@@ -122,25 +137,26 @@ def attend_in_chunks(
         if buf is None:
             buf = buffers[name, rows.shape[0]] = t.new_empty(rows.shape[0], t.shape[1])
         torch.index_select(t, 0, rows, out=buf)
-        return split_heads(buf.view(batch * seqs_in_chunk, -1, t.shape[1]), heads)
+        return split_heads(buf.view(seqs_in_chunk, -1, t.shape[1]), heads)
 
-    for chunk in _chunks(seqs, per_chunk, batch, q.shape[0] // batch):
-        c = chunk.seqs.stop - chunk.seqs.start
+    for chunk in _chunks(seqs, batch, S * k.shape[1], num_tokens):
+        b, c = chunk.images.stop - chunk.images.start, chunk.seqs.stop - chunk.seqs.start
+        tokens = slice(chunk.images.start * num_tokens, chunk.images.stop * num_tokens)  # the chunk's images
         bias = None
         if seqs.bias is not None:
             bias = seqs.bias[chunk.seqs]
-            bias = (bias if batch == 1 else bias.repeat(batch, 1, 1, 1)).expand(-1, heads, -1, -1)  # 4D: fused kernel
+            bias = (bias if b == 1 else bias.repeat(b, 1, 1, 1)).expand(-1, heads, -1, -1)  # 4D: fused kernel
         attn = F.scaled_dot_product_attention(
-            gather(q, chunk.q_rows, "q", c),
-            gather(k, chunk.kv_rows, "k", c),
-            gather(v, chunk.kv_rows, "v", c),
+            gather(q[tokens], chunk.q_rows, "q", b * c),
+            gather(k[tokens], chunk.kv_rows, "k", b * c),
+            gather(v[tokens], chunk.kv_rows, "v", b * c),
             attn_mask=bias,
             scale=scale,
-        )  # (B * c, heads, L, d_v), token-major in memory
-        attn = merge_heads(attn).flatten(0, 1)  # (B * c * L, heads * d_v)
+        )  # (b * c, heads, L, d_v), token-major in memory
+        attn = merge_heads(attn).flatten(0, 1)  # (b * c * L, heads * d_v)
         if chunk.kept is not None:
-            attn = attn.view(batch, c * L, -1)[:, chunk.kept].flatten(0, 1)
+            attn = attn.view(b, c * L, -1)[:, chunk.kept].flatten(0, 1)
         if out is None:
             out = attn.new_empty(q.shape[0], attn.shape[1])
-        out.index_copy_(0, chunk.out_rows, attn)
+        out[tokens].index_copy_(0, chunk.out_rows, attn)
     return out

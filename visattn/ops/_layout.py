@@ -34,6 +34,11 @@ def token_major_empty(batch: int, heads: int, n: int, d: int, like: torch.Tensor
     return like.new_empty_strided((batch, heads, n, d), (n * heads * d, d, heads * d, 1))
 
 
+def token_major(x: torch.Tensor) -> torch.Tensor:
+    """(B, heads, N, d) laid out (B, N, heads, d) in memory: ``x`` itself when it is, else a copy."""
+    return x if x.transpose(1, 2).is_contiguous() else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def tokens_to_image(x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     """Patch tokens (B, H * W, C) in raster order -> (B, C, H, W), a view (channels-last in memory)."""
     return rearrange(x, "b (y x) c -> b c y x", y=grid[0], x=grid[1])

@@ -31,8 +31,8 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     # (autograd through it), plain SDPA recomputed in the backward (activation checkpointing)
     "axial": ("cpu_kernels", "sdpa", "sdpa_checkpoint"),
     # the tiled engine of the local ops: tiles a chunk at a time into cache-sized buffers (no autograd),
-    # or all tiles gathered at once (differentiable)
-    "local": ("chunked", "gathered"),
+    # all tiles gathered at once (differentiable), or attention over all tokens with the windows as a mask
+    "local": ("chunked", "gathered", "dense"),
 }
 
 _forced: dict[str, str] = {}
@@ -120,9 +120,16 @@ def choose_axial_backend(t: torch.Tensor, dropout_p: float, needs_grad: bool) ->
     return "sdpa_checkpoint"
 
 
-def choose_local_backend(needs_grad: bool, dropout_p: float, self_only: bool) -> str:
-    """Chunk by chunk when no autograd, dropout or compiled graph needs the whole computation at once
-    (the compiler fuses the gathered formulation); a window of one key is exact on the gathered path."""
-    if self_only or needs_grad or dropout_p or torch.compiler.is_compiling():
+def choose_local_backend(t: torch.Tensor, needs_grad: bool, dropout_p: float, self_only: bool, dense_cheaper: bool) -> str:
+    """A window of one key: gathered (exact there). Where the windows cover enough of the grid that
+    attention over all tokens costs no more than the tiles (short sequences), dense, on any device.
+    Else, on the CPU when no autograd, dropout or compiled graph needs the whole computation at once,
+    chunk by chunk; elsewhere gathered: one batched SDPA over all tiles, the shape GPU kernels and the
+    compiler want."""
+    if self_only:
+        return "gathered"
+    if dense_cheaper:
+        return "dense"
+    if t.device.type != "cpu" or needs_grad or dropout_p or torch.compiler.is_compiling():
         return "gathered"
     return "chunked"

@@ -10,10 +10,13 @@ costs ``N R^2`` scores, never materialised; keys are gathered once per tile (``N
 
 The gathers read the token-major layout (B, N, heads * d) that the qkv projection produces, so a tile's
 keys of all heads are copied as whole rows, and the output comes back token-major, so the layer merges
-the heads with a view. Without autograd the tiles run a chunk at a time through
-:func:`visattn.ops._chunked.attend_in_chunks` (the gathered regions stay in cache); with autograd all
-tiles are gathered at once and the fused kernel's own backward pass applies
-(:func:`visattn.ops.backends.choose_local_backend` decides).
+the heads with a view. On the CPU without autograd the tiles run a chunk at a time through
+:func:`visattn.ops._chunked.attend_in_chunks` (the gathered regions stay in cache); with autograd, and on
+other devices, all tiles are gathered at once and the fused kernel's own backward pass applies. Where the
+windows cover most of a short sequence (a 7 x 7 window on 14 x 14 patches: every 8 x 8 tile's region is
+the whole grid), the tiles save nothing and cost their gathers: the whole attention then runs as one
+SDPA over all tokens with the windows as a mask (:func:`visattn.ops.backends.choose_local_backend`
+decides).
 
 Each op only describes its windows per axis, as an :class:`AxisPlan`; the engine is the same.
 """
@@ -28,7 +31,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from visattn.ops._chunked import Sequences, attend_in_chunks, cache_per_inference_mode
-from visattn.ops._layout import merge_heads, split_heads
+from visattn.ops._layout import merge_heads, split_heads, token_major
+from visattn.ops._naive import separable_grid_mask
 from visattn.ops.backends import choose_local_backend, needs_autograd, select_backend
 
 
@@ -57,6 +61,12 @@ class AxisPlan:
     def key_index(self) -> torch.Tensor:
         """(num_tiles, region): the key position of each region slot."""
         return self.region_start[:, None] + torch.arange(self.region, device=self.region_start.device)
+
+    def axis_mask(self) -> torch.Tensor:
+        """(length, length) bool: query i may see key j, over the whole axis."""
+        keys = torch.arange(self.length, device=self.region_start.device)
+        lo, hi = self.window_lo[: self.length, None], self.window_hi[: self.length, None]
+        return (lo <= keys) & (keys < hi)
 
     def mask(self) -> torch.Tensor:
         """(num_tiles, tile, region) bool: query may see the key in this region slot."""
@@ -128,7 +138,6 @@ class _TileLayout:
 
     seqs: Sequences
     out_index: torch.Tensor  # (H * W,) flat query slot of each patch, raster order
-    self_only: bool  # every patch sees only itself: its softmax weight is 1, its output its own value
 
 
 @cache_per_inference_mode(maxsize=32)
@@ -156,7 +165,35 @@ def _tile_layout(
     dest = torch.full((num_tiles * queries,), -1, dtype=torch.long, device=device)
     dest[out_index] = p + torch.arange(H * W, device=device)
     seqs = Sequences(q_index, kv_index, dest.view(num_tiles, queries), bias.unsqueeze(1))
-    return _TileLayout(seqs, out_index, not (prefix_visible and p) and rows.self_only and cols.self_only)
+    return _TileLayout(seqs, out_index)
+
+
+# The tiled paths gather each tile's key region and mask it, at about the cost of the scores themselves
+# (CPU, 7 x 7 windows: 64 images of 14 x 14 patches run in 65 ms dense, 131 ms chunked), so attention
+# over all N keys with the windows as a mask pays where its N^2 scores are at most twice the tiles'.
+DENSE_SCORE_RATIO = 2
+
+
+def dense_is_cheaper(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_visible: bool) -> bool:
+    """Whether the windows cover enough of the grid (short sequences) for dense attention to pay."""
+    n = num_prefix_tokens + rows.length * cols.length
+    keys = rows.region * cols.region + (num_prefix_tokens if prefix_visible else 0)
+    tiled = rows.num_tiles * cols.num_tiles * rows.tile * cols.tile * keys + num_prefix_tokens * n
+    return n * n <= DENSE_SCORE_RATIO * tiled
+
+
+@cache_per_inference_mode(maxsize=32)
+def _dense_mask(
+    rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_visible: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """(1, 1, N, N) additive mask (0 or -inf) of the whole attention, shared by batch and heads: prefix
+    queries see every token, patch queries their window, and the prefix keys if ``prefix_visible``."""
+    p = num_prefix_tokens
+    n = p + rows.length * cols.length
+    allowed = torch.ones(n, n, dtype=torch.bool, device=rows.region_start.device)
+    allowed[p:, :p] = prefix_visible
+    allowed[p:, p:] = separable_grid_mask(rows.axis_mask(), cols.axis_mask())
+    return torch.zeros(1, 1, n, n, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def tiled_local_attn(
@@ -181,17 +218,26 @@ def tiled_local_attn(
         num_prefix_tokens: P, the tokens before the patches.
         prefix_visible: whether patch queries see the prefix keys (Longformer's global tokens) or not.
         backend: ``"chunked"`` (tiles a chunk at a time through
-            :func:`visattn.ops._chunked.attend_in_chunks`; no autograd, no dropout) or ``"gathered"``
-            (all tiles at once, differentiable); None: chosen by
-            :func:`visattn.ops.backends.choose_local_backend`.
+            :func:`visattn.ops._chunked.attend_in_chunks`; no autograd, no dropout), ``"gathered"``
+            (all tiles at once, differentiable) or ``"dense"`` (all N keys, the windows as an N x N
+            mask, differentiable); None: chosen by :func:`visattn.ops.backends.choose_local_backend`.
     Returns:
         (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor.
     """
     B, heads, N, _ = q.shape
     p = num_prefix_tokens
-    layout = _tile_layout(rows, cols, p, prefix_visible, q.dtype)
     needs_grad = needs_autograd(q, k, v)
-    name = select_backend("local", backend, lambda: choose_local_backend(needs_grad, dropout_p, layout.self_only))
+    self_only = not (prefix_visible and p) and rows.self_only and cols.self_only
+    name = select_backend(
+        "local",
+        backend,
+        lambda: choose_local_backend(q, needs_grad, dropout_p, self_only, dense_is_cheaper(rows, cols, p, prefix_visible)),
+    )
+    if name == "dense":
+        mask = _dense_mask(rows, cols, p, prefix_visible, q.dtype)
+        # token-major when q is (a view of the qkv projection); else made so, as the other paths return
+        return token_major(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale))
+    layout = _tile_layout(rows, cols, p, prefix_visible, q.dtype)
     if name == "chunked":
         if needs_grad or dropout_p:
             raise ValueError(
@@ -204,7 +250,7 @@ def tiled_local_attn(
             out[:, :p] = F.scaled_dot_product_attention(q[:, :, :p], k, v, scale=scale).transpose(1, 2)
         return out.transpose(1, 2)
 
-    if layout.self_only:
+    if self_only:
         # softmax over the one key, the query's own: weight exp(s - s) = 1 and gradient 0, both exactly
         # (the fused kernel's backward would leave rounding noise where the gradient is exactly zero)
         scores = (q[:, :, p:] * k[:, :, p:]).sum(dim=-1, keepdim=True)
