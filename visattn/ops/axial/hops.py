@@ -16,49 +16,61 @@ ROWS = "b heads (y x) d -> (b y) heads x d"
 COLUMNS = "b heads (y x) d -> (b x) heads y d"
 FROM_ROWS = "(b y) heads x d -> b heads (y x) d"
 FROM_COLUMNS = "(b x) heads y d -> b heads (y x) d"
-ROWS_TO_COLUMNS = "(b y) heads x d -> (b x) heads y d"
 COLUMNS_TO_ROWS = "(b x) heads y d -> (b y) heads x d"
 COLUMNS_TO_TOKENS = "(b x) heads y d -> b (y x) heads d"
+# The same sequences as views with the image axis kept apart: (b y) and (b x) merge as views only at
+# batch 1 (or without prefix tokens), since each image's prefix tokens sit between its patches and the
+# next image's.
+ROW_PATCHES = "b heads (y x) d -> b y x heads d"
+COLUMN_PATCHES = "b heads (y x) d -> b x y heads d"
+ROWS_AS_COLUMN_PATCHES = "(b y) heads x d -> b x y heads d"
+SEQUENCES = "b s l heads d -> (b s) heads l d"
 
 
-def with_prefix(seqs: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-    """Put the prefix tokens in front of every row (or column) sequence.
+def with_prefix(patches: torch.Tensor, prefix: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """The row (or column) sequences of the patches with the prefix tokens in front, in one copy.
 
     Args:
-        seqs: (B * S, heads, L, d), S rows (or columns) per image.
+        patches: (B, S, L, heads, d), S rows (or columns) of L patches per image, any strides.
         prefix: (B, heads, P, d).
+        copy: copy also without prefix tokens (a column view strides a whole row between its tokens,
+            which the fused kernel reads slowly).
     Returns:
-        (B * S, heads, P + L, d); ``seqs`` itself when P = 0. The prefix is broadcast with expand; the
-        concatenation is the only copy.
+        (B * S, heads, P + L, d), token-major in memory; without prefix tokens and ``copy``, the
+        patches merged (a view where their layout allows).
     """
-    b, p = prefix.shape[0], prefix.shape[2]
-    if p == 0:
-        return seqs
-    prefix = prefix.unsqueeze(1).expand(b, seqs.shape[0] // b, *prefix.shape[1:]).flatten(0, 1)
-    return torch.cat([prefix, seqs], dim=2)
+    b, s, length, heads, d = patches.shape
+    p = prefix.shape[2]
+    if p == 0 and not copy:
+        return rearrange(patches, SEQUENCES)
+    seqs = patches.new_empty(b, s, p + length, heads, d)
+    if p:
+        seqs[:, :, :p] = rearrange(prefix, "b heads p d -> b 1 p heads d")  # broadcast over the S sequences
+    seqs[:, :, p:] = patches
+    return rearrange(seqs, SEQUENCES)
 
 
 def row_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, p: int) -> tuple[torch.Tensor, ...]:
     """Hop 1's q, k, v: (B * H, heads, W (+ P), d); q is a view, k and v get the prefix in front."""
     (_, q_patches), (k_prefix, k_patches), (v_prefix, v_patches) = (split_prefix(t, p) for t in (q, k, v))
     q_rows = rearrange(q_patches, ROWS, y=h)
-    k_rows = with_prefix(rearrange(k_patches, ROWS, y=h), k_prefix)
-    v_rows = with_prefix(rearrange(v_patches, ROWS, y=h), v_prefix)
+    k_rows = with_prefix(rearrange(k_patches, ROW_PATCHES, y=h), k_prefix)
+    v_rows = with_prefix(rearrange(v_patches, ROW_PATCHES, y=h), v_prefix)
     return q_rows, k_rows, v_rows
 
 
 def column_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_mixed: torch.Tensor, h: int, p: int, contiguous_q: bool = True
 ) -> tuple[torch.Tensor, ...]:
-    """Hop 2's q, k, v: (B * W, heads, H (+ P), d), contiguous (a column view strides a whole row between
+    """Hop 2's q, k, v: (B * W, heads, H (+ P), d), copies (a column view strides a whole row between
     its tokens, which the fused kernel reads slowly; its backward kernel minds less, so the queries may
     stay a view there); the values are hop 1's output ``v_mixed`` (B * H, heads, W, d), the prefix
     tokens keep v."""
     (_, q_patches), (k_prefix, k_patches) = (split_prefix(t, p) for t in (q, k))
     q_cols = rearrange(q_patches, COLUMNS, y=h)
     q_cols = q_cols.contiguous() if contiguous_q else q_cols
-    k_cols = with_prefix(rearrange(k_patches, COLUMNS, y=h), k_prefix).contiguous()
-    v_cols = with_prefix(rearrange(v_mixed, ROWS_TO_COLUMNS, b=q.shape[0]), v[:, :, :p]).contiguous()
+    k_cols = with_prefix(rearrange(k_patches, COLUMN_PATCHES, y=h), k_prefix, copy=True)
+    v_cols = with_prefix(rearrange(v_mixed, ROWS_AS_COLUMN_PATCHES, b=q.shape[0]), v[:, :, :p], copy=True)
     return q_cols, k_cols, v_cols
 
 
