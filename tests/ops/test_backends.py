@@ -1,6 +1,6 @@
 """Every path of every op with several, forced on CPU tensors (the paths other devices or a compiled graph
 take included), against the naive twins: outputs, and gradients where the path is differentiable.
-Also the choice itself: its defaults, how to force it, its log line and its refusals."""
+Also the choice itself: its defaults on each device, how to force it, its log line and its refusals."""
 from __future__ import annotations
 
 import logging
@@ -12,12 +12,13 @@ import torch.nn as nn
 from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
 from visattn.layers import get_attention
-from visattn.ops import backends
+from visattn.ops import backends, local
 from visattn.ops.backends import BACKENDS, force_backend
+from visattn.ops.linear.blocked import token_blocks
 
-# (B, heads, grid, prefix tokens, head_dim): batch 1 and an odd batch, non-square grids, with and
-# without prefix tokens
-CASES = [(1, 2, (5, 3), 0, 8), (3, 2, (4, 7), 2, 8)]
+# (B, heads, grid, prefix tokens, head_dim): batch 1, an odd and an even batch, non-square grids, with
+# and without prefix tokens
+CASES = [(1, 2, (5, 3), 0, 8), (3, 2, (4, 7), 2, 8), (4, 3, (6, 5), 1, 16)]
 IDS = [f"B{b}-H{h}-grid{g[0]}x{g[1]}-p{p}-d{d}" for b, h, g, p, d in CASES]
 
 
@@ -225,3 +226,42 @@ def test_bad_backends_raise():
         layer(torch.randn(1, 5, 16))
     with force_backend("linear_projection", "fused_qkv"), pytest.raises(ValueError, match="is_causal=True needs 'split'"):
         layer(torch.randn(1, 5, 16), is_causal=True)
+
+
+def test_each_device_gets_its_path():
+    """Off the CPU (a meta tensor stands for any other device) each op takes the path that suits it
+    there: plain batched matmuls for linear attention, SDPA's own autograd for axial, all tiles in one
+    batched SDPA for the local ops; the cache-blocked paths run on the CPU only. The tests above run
+    every one of these paths, forced, on CPU tensors."""
+    cpu, other = torch.empty(0), torch.empty(0, device="meta")
+    assert backends.choose_linear_backend(cpu, causal=False) == "blocked"
+    assert backends.choose_linear_backend(other, causal=False) == "plain"
+    assert backends.choose_linear_backend(other, causal=True) == "chunk"
+    with torch.no_grad():
+        assert backends.choose_linear_projection_backend(cpu, False, has_qk_norm=False) == "fused_qkv"
+        assert backends.choose_linear_projection_backend(other, False, has_qk_norm=False) == "split"
+    assert backends.choose_linear_projection_backend(cpu, False, has_qk_norm=False) == "packed"
+    assert backends.choose_linear_projection_backend(other, False, has_qk_norm=False) == "split"
+    assert backends.choose_axial_backend(cpu, 0.0, needs_grad=True) == "cpu_kernels"
+    assert backends.choose_axial_backend(cpu, 0.1, needs_grad=True) == "sdpa_checkpoint"
+    assert backends.choose_axial_backend(other, 0.0, needs_grad=True) == "sdpa"
+    for needs_grad in (False, True):
+        expected = "gathered" if needs_grad else "chunked"
+        assert backends.choose_local_backend(cpu, needs_grad, 0.0, False, dense_cheaper=False) == expected
+        assert backends.choose_local_backend(other, needs_grad, 0.0, False, dense_cheaper=False) == "gathered"
+        for t in (cpu, other):
+            assert backends.choose_local_backend(t, needs_grad, 0.0, False, dense_cheaper=True) == "dense"
+            assert backends.choose_local_backend(t, needs_grad, 0.0, True, dense_cheaper=True) == "gathered"
+    # the blocked linear op, forced off the CPU, takes all tokens of all images in one block
+    assert len(token_blocks(16, 1025, 6 * 65, other.device)) == 1
+    assert len(token_blocks(16, 1025, 6 * 65, cpu.device)) > 1
+
+
+def test_local_ops_go_dense_where_the_windows_cover_the_grid():
+    """A 7 x 7 window on 14 x 14 patches: every 8 x 8 tile reads the whole grid, so dense attention
+    with the windows as a mask is chosen; on 32 x 32 patches the tiles read a quarter of it, so the
+    tiles run."""
+    cpu = torch.device("cpu")
+    small, large = (local.neighborhood_axis(n, 7, 8, cpu) for n in (14, 32))
+    assert local.dense_is_cheaper(small, small, 1, prefix_visible=False)
+    assert not local.dense_is_cheaper(large, large, 1, prefix_visible=False)

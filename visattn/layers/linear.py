@@ -63,7 +63,7 @@ class LinearAttention(GridAttention):
         one piece; ``"split"`` splits the heads and calls :meth:`mix`."""
         has_qk_norm = not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity))
         name = select_backend(
-            "linear_projection", None, lambda: choose_linear_projection_backend(is_causal, has_qk_norm)
+            "linear_projection", None, lambda: choose_linear_projection_backend(x, is_causal, has_qk_norm)
         )
         if name != "split" and is_causal:
             raise ValueError(f"linear: the {name!r} projection path is non-causal; is_causal=True needs 'split'")

@@ -21,8 +21,8 @@ import torch
 _log = logging.getLogger(__name__)
 
 BACKENDS: dict[str, tuple[str, ...]] = {
-    # visattn.ops.linear_attn: the blocked autograd function (non-causal), plain batched matmuls
-    # (non-causal; what a compiler fuses), the chunked causal product (causal)
+    # visattn.ops.linear_attn: the blocked autograd function (non-causal, CPU), plain batched matmuls
+    # (non-causal; other devices, and what a compiler fuses), the chunked causal product (causal)
     "linear": ("blocked", "plain", "chunk"),
     # the linear layer's qkv projection + mixing: fused block by block (inference), the blocked op on
     # the packed projection (training), or the projection split into heads, then linear_attn
@@ -83,19 +83,21 @@ def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def choose_linear_backend(causal: bool) -> str:
-    """Causal: the chunked product. Non-causal: the blocked autograd function, except inside a compiled
-    graph, where the plain matmuls let the compiler fuse the feature maps with their neighbours."""
+def choose_linear_backend(t: torch.Tensor, causal: bool) -> str:
+    """Causal: the chunked product. Non-causal on the CPU: the blocked autograd function, whose
+    cache-sized blocks pay on a CPU. Elsewhere, and inside a compiled graph: the plain batched matmuls,
+    which GPU kernels run whole and a compiler fuses with the feature maps."""
     if causal:
         return "chunk"
-    return "plain" if torch.compiler.is_compiling() else "blocked"
+    return "plain" if t.device.type != "cpu" or torch.compiler.is_compiling() else "blocked"
 
 
-def choose_linear_projection_backend(causal: bool, has_qk_norm: bool) -> str:
-    """Causal or compiled: split the projection and call the op. Without autograd, fuse the projection
-    with the mixing. With autograd and no q/k norm, run on the packed projection (its gradient comes
-    back in one piece); a q/k norm sits between projection and mixing, so then split."""
-    if causal or torch.compiler.is_compiling():
+def choose_linear_projection_backend(t: torch.Tensor, causal: bool, has_qk_norm: bool) -> str:
+    """Causal, compiled or off the CPU: split the projection and call the op (the fused and packed
+    paths walk the CPU's cache-sized blocks). Without autograd, fuse the projection with the mixing.
+    With autograd and no q/k norm, run on the packed projection (its gradient comes back in one piece);
+    a q/k norm sits between projection and mixing, so then split."""
+    if causal or t.device.type != "cpu" or torch.compiler.is_compiling():
         return "split"
     if not torch.is_grad_enabled():
         return "fused_qkv"
@@ -109,11 +111,12 @@ def cpu_kernels_apply(t: torch.Tensor, dropout_p: float) -> bool:
 
 
 def choose_axial_backend(t: torch.Tensor, dropout_p: float, needs_grad: bool) -> str:
-    """Without autograd, or in a compiled graph (the compiler fuses the plain formulation): plain SDPA.
-    With autograd: the CPU kernels where they apply and SDPA's fused (flash) backend is enabled
+    """Without autograd, in a compiled graph (the compiler fuses the plain formulation) or off the CPU
+    (the device's fused kernels keep their log-sum-exps for their own backward): plain SDPA. On the
+    CPU with autograd: the CPU kernels where they apply and SDPA's fused (flash) backend is enabled
     (``torch.nn.attention.sdpa_kernel`` can select another), else SDPA recomputed in the backward,
     which keeps only q, k and v."""
-    if torch.compiler.is_compiling() or not needs_grad:
+    if torch.compiler.is_compiling() or not needs_grad or t.device.type != "cpu":
         return "sdpa"
     if cpu_kernels_apply(t, dropout_p) and torch.backends.cuda.flash_sdp_enabled():  # read on every device
         return "cpu_kernels"

@@ -39,7 +39,7 @@ def linear_attn(
     """
     check_positive_int(chunk_size, "chunk_size", "linear_attn")
     get_feature_map(feature_map)  # a bad name fails before a path is chosen
-    name = select_backend("linear", backend, lambda: choose_linear_backend(causal))
+    name = select_backend("linear", backend, lambda: choose_linear_backend(q, causal))
     if causal != (name == "chunk"):
         raise ValueError(
             f"linear_attn: backend {name!r} is {'non-' if causal else ''}causal; causal={causal} needs "
