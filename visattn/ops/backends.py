@@ -123,7 +123,9 @@ def choose_axial_backend(t: torch.Tensor, dropout_p: float, needs_grad: bool) ->
     return "sdpa_checkpoint"
 
 
-def choose_local_backend(t: torch.Tensor, needs_grad: bool, dropout_p: float, self_only: bool, dense_cheaper: bool) -> str:
+def choose_local_backend(
+    t: torch.Tensor, needs_grad: bool, dropout_p: float, self_only: bool, dense_cheaper: bool
+) -> str:
     """A window of one key: gathered (exact there). Where the windows cover enough of the grid that
     attention over all tokens costs no more than the tiles (short sequences), dense, on any device.
     Else, on the CPU when no autograd, dropout or compiled graph needs the whole computation at once,

@@ -231,7 +231,9 @@ def tiled_local_attn(
     name = select_backend(
         "local",
         backend,
-        lambda: choose_local_backend(q, needs_grad, dropout_p, self_only, dense_is_cheaper(rows, cols, p, prefix_visible)),
+        lambda: choose_local_backend(
+            q, needs_grad, dropout_p, self_only, dense_is_cheaper(rows, cols, p, prefix_visible)
+        ),
     )
     if name == "dense":
         mask = _dense_mask(rows, cols, p, prefix_visible, q.dtype)

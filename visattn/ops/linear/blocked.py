@@ -160,9 +160,10 @@ def _backward(
     q, k, v, state = saved
     dq, dk, dv = grads
     batch, heads, n, e = v.shape
+    d = q.shape[-1]
     grad_state = torch.zeros_like(state)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        blocks = TokenBlocks(batch, heads, n, max(q.shape[-1], e + 1), q.device)
+        blocks = TokenBlocks(batch, heads, n, max(d, e + 1), q.device)
         for block in blocks:
             images, tokens = block.images, block.tokens
             phi_q = blocks.feature_map(phi, q[images, :, tokens], block)
@@ -175,7 +176,7 @@ def _backward(
             c = torch.linalg.vecdot(grad_ext[..., :e], num_den[..., :e]).unsqueeze(-1)  # g . num / den
             torch.div(c, den, out=grad_ext[..., e:]).neg_().mul_(live)
             grad_state[images] += phi_q.transpose(-2, -1) @ grad_ext
-            grad_phi_q = torch.matmul(grad_ext, state[images].transpose(-2, -1), out=blocks.buffer("scratch", block, q.shape[-1]))
+            grad_phi_q = torch.matmul(grad_ext, state[images].transpose(-2, -1), out=blocks.buffer("scratch", block, d))
             torch.mul(grad_phi_q, phi.derivative_(phi_q), out=dq[images, :, tokens])
         grad_state_t = grad_state.transpose(-2, -1)
         for block in blocks:
@@ -184,7 +185,7 @@ def _backward(
             v_ext = blocks.with_ones(v[images, :, tokens], block)
             grad_v = torch.matmul(phi_k, grad_state[images, ..., :e], out=blocks.buffer("grad_ext", block, e))
             dv[images, :, tokens] = grad_v
-            grad_phi_k = torch.matmul(v_ext, grad_state_t[images], out=blocks.buffer("scratch", block, k.shape[-1]))
+            grad_phi_k = torch.matmul(v_ext, grad_state_t[images], out=blocks.buffer("scratch", block, d))
             torch.mul(grad_phi_k, phi.derivative_(phi_k), out=dk[images, :, tokens])
 
 

@@ -43,8 +43,10 @@ def fused_qkv_linear_attn(
 
     Equal to projecting ``x`` with ``qkv_weight`` (timm's ``qkv``: the q rows, then k, then v; heads of
     ``d = C / num_heads``), applying the norms and :func:`visattn.ops.linear_attn`, but block by block
-    of tokens: a first pass projects the keys and values of a block and folds them into ``S`` and ``z``,
-    a second projects the queries of a block and writes its output. q, k and v live in cache.
+    of tokens (the blocks of :mod:`visattn.ops.linear.blocked`: whole images, or runs of one image's
+    tokens, each a run of consecutive rows of ``x``): a first pass projects the keys and values of a
+    block and folds them into ``S`` and ``z``, a second projects the queries of a block and writes its
+    output. q, k and v live in cache.
 
     Args:
         x: (B, N, C_in).
@@ -78,7 +80,7 @@ def fused_qkv_linear_attn(
     def keys_values(block: Block) -> tuple[torch.Tensor, torch.Tensor]:
         keys, vals = project(block, slice(dim, None), kv_bias).chunk(2, dim=-1)  # (b, n, C) each
         if values is not None:
-            values.view(batch * n, dim)[block.rows] = vals.flatten(0, 1)
+            values.view(batch * n, dim)[block.rows].view_as(vals).copy_(vals)  # one copy: vals is a strided view
         return k_norm(split_heads(keys, num_heads)), split_heads(vals, num_heads)
 
     def queries(block: Block) -> torch.Tensor:
