@@ -1,5 +1,6 @@
-"""What a sweep measures: one :class:`Case` per configuration, one :class:`Result` to fill for each,
-planned with its FLOPs and memory estimate before any worker starts."""
+"""What a sweep measures: the points of a sweep (:class:`Point`, an image size at a batch size), one
+:class:`Case` per configuration of a point, one :class:`Result` to fill for each, planned with its FLOPs
+and memory estimate before any worker starts."""
 from __future__ import annotations
 
 import argparse
@@ -67,7 +68,8 @@ class Result:
     param_count: int
     status: str = "ok"  # ok | skipped | oom | error
     message: str = ""
-    times: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # seconds of each timed step
+    rounds: list[int] = field(default_factory=list)  # the interleaved round of each timed step (its serial)
     build_bytes: int | None = None
     peak_bytes: int | None = None
 
@@ -83,6 +85,16 @@ class Result:
     @property
     def samples_per_sec(self) -> float | None:
         return self.case.batch_size / self.step_time if self.ok else None
+
+    @property
+    def tokens_per_sec(self) -> float | None:
+        """Patch tokens (grid tokens in an op case) per second."""
+        return self.tokens * self.samples_per_sec if self.ok else None
+
+    @property
+    def round_times(self) -> dict[int, float]:
+        """{round serial: seconds} of the timed steps."""
+        return dict(zip(self.rounds, self.times))
 
     @property
     def activation_bytes(self) -> int | None:
@@ -116,38 +128,61 @@ def timm_reference_name(model_name: str) -> str:
     return candidate
 
 
+@dataclass(frozen=True)
+class Point:
+    """One group of a sweep: an image size (a token grid in ``--ops``) at one batch size, in the given modes.
+    The rows of a point (every type and reference, in every mode) are timed together, in interleaved rounds."""
+
+    size: tuple[int, int]
+    batch_size: int
+    modes: tuple[str, ...]
+
+
+def sweep_points(args: argparse.Namespace) -> list[Point]:
+    """Every batch size (``--batch-size``) at every size (``--sizes``, or ``--grids`` in ``--ops``), batch
+    sizes outermost; the train mode only at ``--train-sizes`` where given. Points without a mode are left out."""
+    points = []
+    for batch_size in args.batch_sizes:
+        for size in args.grids if args.ops else args.sizes:
+            skip_train = not args.ops and args.train_sizes is not None and size not in args.train_sizes
+            modes = tuple(m for m in args.modes if not (m == "train" and skip_train))
+            if modes:
+                points.append(Point(size, batch_size, modes))
+    return points
+
+
 def plan_model_sweep(args: argparse.Namespace) -> list[list[Result]]:
-    """The results to fill, one list per image size: rows timm, floor, the types; each in every mode."""
+    """The results to fill, one list per point of :func:`sweep_points`."""
+    return [plan_model_point(args, point) for point in sweep_points(args)]
+
+
+def plan_model_point(args: argparse.Namespace, point: Point) -> list[Result]:
+    """The results of one point: rows timm, floor, the types; each in every mode of the point."""
     references = [r for r in (TIMM, FLOOR) if r in args.references]
     rows = references + [a for a in args.attn if a not in references]
-    plan = []
-    for size in args.sizes:
-        group = []
-        for mode in args.modes:
-            if mode == "train" and args.train_sizes is not None and size not in args.train_sizes:
-                continue
-            for attn in rows:
-                case = Case(
-                    kind="model", attn=attn, mode=mode, size=size, batch_size=args.batch_size, device=args.device,
-                    dtype=args.dtype, compile=args.compile, attn_kwargs=args.attn_kwargs.get(attn, {}),
-                    model_name=args.model, timm_name=args.timm_model, num_classes=args.num_classes,
-                    model_kwargs=args.model_kwargs, grad_checkpointing=args.grad_checkpointing,
-                )
-                meta = build_model(case, device="meta")  # also checks the options, before any worker starts
-                shape = ViTShape.from_model(meta)
-                grid = shape.grid(size)
-                cost_attn = "softmax" if attn == TIMM else attn
-                options = attention_options(cost_attn, case.attn_kwargs, grid)
-                param_count = sum(p.numel() for p in meta.parameters())
-                training = mode == "train"
-                flops = (train_flops if training else vit_flops)(shape, size, cost_attn, options)
-                estimate = estimate_memory(
-                    shape, size, cost_attn, options, args.batch_size, training, case.act_bytes, param_count,
-                    grad_checkpointing=args.grad_checkpointing,
-                )
-                group.append(Result(case, grid[0] * grid[1], grid, flops, estimate, param_count))
-        plan.append(group)
-    return plan
+    group = []
+    for mode in point.modes:
+        for attn in rows:
+            case = Case(
+                kind="model", attn=attn, mode=mode, size=point.size, batch_size=point.batch_size, device=args.device,
+                dtype=args.dtype, compile=args.compile, attn_kwargs=args.attn_kwargs.get(attn, {}),
+                model_name=args.model, timm_name=args.timm_model, num_classes=args.num_classes,
+                model_kwargs=args.model_kwargs, grad_checkpointing=args.grad_checkpointing,
+            )
+            meta = build_model(case, device="meta")  # also checks the options, before any worker starts
+            shape = ViTShape.from_model(meta)
+            grid = shape.grid(point.size)
+            cost_attn = "softmax" if attn == TIMM else attn
+            options = attention_options(cost_attn, case.attn_kwargs, grid)
+            param_count = sum(p.numel() for p in meta.parameters())
+            training = mode == "train"
+            flops = (train_flops if training else vit_flops)(shape, point.size, cost_attn, options)
+            estimate = estimate_memory(
+                shape, point.size, cost_attn, options, point.batch_size, training, case.act_bytes, param_count,
+                grad_checkpointing=args.grad_checkpointing,
+            )
+            group.append(Result(case, grid[0] * grid[1], grid, flops, estimate, param_count))
+    return group
 
 
 def explicit_softmax_memory(layout: TokenLayout, num_heads: int, head_dim: int, act_bytes: int) -> MixingMemory:
@@ -168,28 +203,31 @@ def estimate_op_memory(case: Case, layout: TokenLayout, mix: MixingMemory) -> in
 
 
 def plan_ops_sweep(args: argparse.Namespace) -> list[list[Result]]:
-    """The results to fill, one list per grid: fused softmax, its explicit twin, then the types."""
+    """The results to fill, one list per point of :func:`sweep_points` (a grid at a batch size)."""
+    return [plan_ops_point(args, point) for point in sweep_points(args)]
+
+
+def plan_ops_point(args: argparse.Namespace, point: Point) -> list[Result]:
+    """The results of one point: fused softmax, its explicit twin, then the types; in every mode of the point."""
     rows = ["softmax", EXPLICIT_SOFTMAX] + [a for a in args.attn if a not in ("softmax", FLOOR)]
-    plan = []
-    for grid in args.grids:
-        group = []
-        for mode in args.modes:
-            for attn in rows:
-                case = Case(
-                    kind="op", attn=attn, mode=mode, size=grid, batch_size=args.batch_size, device=args.device,
-                    dtype=args.dtype, compile=args.compile, attn_kwargs=args.attn_kwargs.get(attn, {}),
-                    num_heads=args.heads, head_dim=args.head_dim,
-                )
-                layout = TokenLayout(grid, 0)
-                if attn == EXPLICIT_SOFTMAX:  # the same products as the fused op
-                    flops = get_attention("softmax").mixing_flops(layout, args.heads, args.head_dim, {})
-                    mix = explicit_softmax_memory(layout, args.heads, args.head_dim, case.act_bytes)
-                else:
-                    build_layer(case, device="meta")  # checks the options, before any worker starts
-                    layer, options = get_attention(attn), attention_options(attn, case.attn_kwargs, grid)
-                    flops = layer.mixing_flops(layout, args.heads, args.head_dim, options)
-                    mix = layer.mixing_memory(layout, args.heads, args.head_dim, options, case.act_bytes)
-                flops *= 3 if mode == "train" else 1  # each product has two products in its backward
-                group.append(Result(case, layout.num_tokens, grid, flops, estimate_op_memory(case, layout, mix), 0))
-        plan.append(group)
-    return plan
+    grid = point.size
+    group = []
+    for mode in point.modes:
+        for attn in rows:
+            case = Case(
+                kind="op", attn=attn, mode=mode, size=grid, batch_size=point.batch_size, device=args.device,
+                dtype=args.dtype, compile=args.compile, attn_kwargs=args.attn_kwargs.get(attn, {}),
+                num_heads=args.heads, head_dim=args.head_dim,
+            )
+            layout = TokenLayout(grid, 0)
+            if attn == EXPLICIT_SOFTMAX:  # the same products as the fused op
+                flops = get_attention("softmax").mixing_flops(layout, args.heads, args.head_dim, {})
+                mix = explicit_softmax_memory(layout, args.heads, args.head_dim, case.act_bytes)
+            else:
+                build_layer(case, device="meta")  # checks the options, before any worker starts
+                layer, options = get_attention(attn), attention_options(attn, case.attn_kwargs, grid)
+                flops = layer.mixing_flops(layout, args.heads, args.head_dim, options)
+                mix = layer.mixing_memory(layout, args.heads, args.head_dim, options, case.act_bytes)
+            flops *= 3 if mode == "train" else 1  # each product has two products in its backward
+            group.append(Result(case, layout.num_tokens, grid, flops, estimate_op_memory(case, layout, mix), 0))
+    return group

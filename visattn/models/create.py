@@ -24,7 +24,7 @@ import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from visattn.models.auto import select_attention
+from visattn.models.auto import check_auto_batch_size, select_attention
 from visattn.models.convert import CARRIED_MODULES, convert
 from visattn.models.shapes import MODEL_SHAPES
 
@@ -36,6 +36,7 @@ def create_model(
     attn: str | Sequence[str] = "linear",
     attn_kwargs: dict[str, Any] | None = None,
     pretrained: bool = False,
+    auto_batch_size: int | None = None,
     **kwargs: Any,
 ) -> VisionTransformer:
     """``timm.create_model(model_name, **kwargs)`` with ``attn`` in every block.
@@ -43,24 +44,29 @@ def create_model(
     Args:
         model_name: a ``visattn_vit_*`` name, or a timm model name whose class is ``VisionTransformer``.
         attn: one name of :func:`visattn.list_attentions`, one per block, or ``"auto"``
-            (:func:`visattn.models.auto.select_attention` from the name and the image size).
+            (:func:`visattn.models.auto.select_attention` from the name, the image size and ``auto_batch_size``).
         attn_kwargs: type options, as in :func:`convert`.
         pretrained: timm's pretrained weights (loaded into the stock model, then converted).
+        auto_batch_size: with ``attn="auto"``, the images per step the model will run at (default 1).
         **kwargs: any keyword of timm's ``VisionTransformer`` (``img_size``, ``patch_size``, ``num_classes``, ...).
     Returns:
         The converted model.
     Raises:
-        ValueError: an unknown model name, or one whose class is not timm's ``VisionTransformer``.
+        ValueError: an unknown model name, or one whose class is not timm's ``VisionTransformer``;
+            ``auto_batch_size`` without ``attn="auto"``.
     """
     attn_kwargs = dict(attn_kwargs or {})
+    check_auto_batch_size(attn, auto_batch_size)
     if model_name in MODEL_SHAPES:
-        return timm.create_model(model_name, pretrained=pretrained, attn=attn, attn_kwargs=attn_kwargs, **kwargs)
+        return timm.create_model(
+            model_name, pretrained=pretrained, attn=attn, attn_kwargs=attn_kwargs, auto_batch_size=auto_batch_size, **kwargs
+        )
     check_vit_name(model_name)
     model = timm.create_model(model_name, pretrained=pretrained, **kwargs)
     names = attn
     if attn == "auto":
         embed = model.patch_embed
-        names = select_attention(model_name, tuple(embed.img_size), tuple(embed.patch_size))
+        names = select_attention(model_name, tuple(embed.img_size), tuple(embed.patch_size), auto_batch_size or 1)
     return convert(model, names, **attn_kwargs)
 
 

@@ -13,11 +13,12 @@ from visattn.train.config import ConfigError, TrainConfig
 
 
 def names_per_block(config: TrainConfig) -> list[str]:
-    """The attention type of each block; ``attn="auto"`` chosen as the model will choose it."""
+    """The attention type of each block; ``attn="auto"`` chosen as the model will choose it, at the run's
+    batch size per process."""
     if config.attn == "auto":
         patch = (config.patch_size, config.patch_size)
         try:
-            return [select_attention(config.model, config.image_hw, patch)] * config.depth
+            return [select_attention(config.model, config.image_hw, patch, config.batch_size)] * config.depth
         except ValueError as error:
             raise ConfigError(f"attn: auto cannot choose for {config.model!r}: {error}") from None
     return [config.attn] * config.depth if isinstance(config.attn, str) else list(config.attn)

@@ -181,6 +181,8 @@ class TrainConfig:
             "global_pool": self.global_pool,
             "class_token": self.class_token,
             "drop_path_rate": self.drop_path_rate,
+            # attn="auto" chooses for the batch each process steps
+            **({"auto_batch_size": self.batch_size} if self.attn == "auto" else {}),
             **self.model_kwargs,
         }
 
@@ -188,7 +190,7 @@ class TrainConfig:
 # Model keywords that come from their own config keys or from the dataset (num_classes).
 _OWN_MODEL_KEYS = frozenset(
     {"attn", "attn_kwargs", "img_size", "patch_size", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
-     "global_pool", "class_token", "drop_path_rate", "pretrained"}
+     "global_pool", "class_token", "drop_path_rate", "pretrained", "auto_batch_size"}
 )
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(TrainConfig)
 
