@@ -236,8 +236,8 @@ def _run(argv: list[str], log: str, point: KillPoint | None, conn: Connection) -
         _Stopper(point, conn).install()
     try:
         code = train.main(argv)
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
+    except SystemExit as exit_:  # argparse's
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
     except BaseException:  # a traceback in the log, for the test to show
         traceback.print_exc()
         code = 1
@@ -284,6 +284,8 @@ def _serve(conn: Connection) -> None:
                 (pid,) = args
                 _kill(pid)
                 conn.send(_reap(pid, runs))
+    except BaseException:  # the test then sees the server gone, and the reason in its output
+        traceback.print_exc()
     finally:
         for pid in list(runs):
             _kill(pid)
@@ -305,7 +307,11 @@ def _reap(pid: int, runs: dict[int, Connection]) -> int:
 
 
 class RunServer:
-    """The test's side of the server: start runs, wait for them to stop or end, kill them."""
+    """The test's side of the server: start runs, wait for them to stop or end, kill them.
+
+    The server is a daemon process (it goes with the test process, however that ends), so its runs
+    cannot start processes through multiprocessing: they need ``--num-workers 0``, the default.
+    """
 
     def __init__(self) -> None:
         context = mp.get_context("spawn")  # a fresh interpreter: nothing of the test process is copied
