@@ -111,6 +111,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch'] + 1}, batch {state['batch']}, update {state['update']})")
         if main:  # only now that the checkpoint has loaded into this config's model
             write_run_files(run_dir, config, model_kwargs, splits)
+            ckpt.remove_leftovers(run_dir)  # a run killed in its last save or prune has no later save to do it
     scheduler.step_update(run.state["update"])
     if main:
         run_log.write_metrics(run_dir, run.state["history"])  # a resumed run redoes what came after its checkpoint

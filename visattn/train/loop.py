@@ -292,9 +292,9 @@ def finish_run(run: Training, already_finished: bool, seconds: float) -> dict[st
         summary = summarize(run, test_best_weights(run), seconds)
         if "initial_eval_acc" in run.state:
             summary["initial_acc"] = run.state["initial_eval_acc"]
-        if accelerator.is_main_process:
-            run_log.write_summary(run_dir, summary)
+        if accelerator.is_main_process:  # the summary last: a resume takes a run that has one as finished
             run_log.plot_metrics(run_dir, run.state["history"])
+            run_log.write_summary(run_dir, summary)
     accelerator.print(
         f"test accuracy: {100 * summary['test_acc']:.2f}% ({selection_note(summary)}); "
         f"{summary['images_per_s']:.0f} train img/s; run directory: {run_dir}"
