@@ -303,7 +303,7 @@ def test_bad_values_raise_one_line_errors(call, match):
 
 
 def test_slowest_axial_pair_turns_slower_than_any_grid_here():
-    """theta = 100: with d = 64 the slowest pair needs 2 pi 100^(15/16), about 470 cells, for one turn."""
+    """theta = 100: with d = 64 the slowest pair needs 2 pi 100^(15/16), about 471 cells, for one turn."""
     d = 64
     slowest = AXIAL_THETA ** (-4 * (d // 4 - 1) / d)
     assert 2 * math.pi / slowest > 400
