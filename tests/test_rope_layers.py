@@ -163,8 +163,9 @@ def test_rope_needs_head_width_divisible_by_4():
 def test_linear_packed_projection_path_refuses_rope():
     layer = _layer("linear", {}, "axial")
     x = torch.randn(1, PREFIX + 15, DIM)
-    with force_backend("linear_projection", "packed"), pytest.raises(ValueError, match="does not rotate; rope needs 'split'"):
-        layer(x)
+    with force_backend("linear_projection", "packed"):
+        with pytest.raises(ValueError, match="does not rotate; rope needs 'split'"):
+            layer(x)
 
 
 # ------------------------------------------------------------------ from train.py and visattn-bench to a layer
@@ -199,9 +200,10 @@ def test_train_config_routes_rope_and_refuses_bad_values():
 
 
 def test_bench_command_line_takes_rope_and_checks_it_before_measuring():
-    args = _parse(["--attn", "softmax", "floor", "--attn-kwargs", "rope=axial", "--sizes", "32", "--model", "visattn_vit_tiny_patch16"])
+    common = ["--attn-kwargs", "rope=axial", "--sizes", "32", "--model", "visattn_vit_tiny_patch16"]
+    args = _parse(["--attn", "softmax", "floor", *common])
     assert args.attn_kwargs == {"softmax": {"rope": "axial"}, "floor": {}}
     plan_model_sweep(args)  # builds every model on the meta device
-    args = _parse(["--attn", "linformer", "--attn-kwargs", "rope=axial", "--sizes", "32", "--model", "visattn_vit_tiny_patch16"])
+    args = _parse(["--attn", "linformer", *common])
     with pytest.raises(ValueError, match="linformer: rope='axial' is not supported"):
         plan_model_sweep(args)

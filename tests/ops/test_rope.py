@@ -73,7 +73,8 @@ def test_mixed_freqs_start_as_rope_mixed_does():
     expected = 10.0 ** (-4 * torch.arange(d // 4, dtype=torch.float64) / d)
     torch.testing.assert_close(magnitude, expected.repeat(heads, 2), rtol=1e-6, atol=0)
     first, second = freqs[..., : d // 4], freqs[..., d // 4 :]
-    torch.testing.assert_close((first * second).sum(0), torch.zeros(heads, d // 4, dtype=torch.float64), atol=1e-6, rtol=0)
+    right_angles = (first * second).sum(0)  # (heads, d / 4): dot products of the two halves' vectors
+    torch.testing.assert_close(right_angles, torch.zeros(heads, d // 4, dtype=torch.float64), atol=1e-6, rtol=0)
 
 
 def test_axial_tables_are_cached_per_grid_prefix_device_dtype_and_inference_mode():
@@ -105,10 +106,8 @@ def test_score_depends_only_on_the_offset(mode, data):
     prefix = data.draw(st.integers(0, 2), label="prefix")
     dr = data.draw(st.integers(-(h - 1), h - 1), label="delta_row")
     dc = data.draw(st.integers(-(w - 1), w - 1), label="delta_col")
-    queries = [
-        (data.draw(st.integers(max(0, -dr), h - 1 - max(0, dr))), data.draw(st.integers(max(0, -dc), w - 1 - max(0, dc))))
-        for _ in range(2)
-    ]
+    rows, cols = st.integers(max(0, -dr), h - 1 - max(0, dr)), st.integers(max(0, -dc), w - 1 - max(0, dc))
+    queries = [(data.draw(rows), data.draw(cols)) for _ in range(2)]
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     q, k = (torch.randn(1, heads, 1, d, generator=gen, dtype=torch.float64) for _ in range(2))
     if mode == "axial":
@@ -191,7 +190,11 @@ OPS = {
         lambda q, k, v: ops.longformer_attn(q, k, v, GRID, P, kernel_size=3, tile_size=2),
         lambda q, k, v: ops.naive_longformer_attn(q, k, v, GRID, P, kernel_size=3),
     ),
-    "axial": (P, lambda q, k, v: ops.axial_attn(q, k, v, GRID, P), lambda q, k, v: ops.naive_axial_attn(q, k, v, GRID, P)),
+    "axial": (
+        P,
+        lambda q, k, v: ops.axial_attn(q, k, v, GRID, P),
+        lambda q, k, v: ops.naive_axial_attn(q, k, v, GRID, P),
+    ),
 }
 
 
@@ -264,7 +267,8 @@ def test_linear_rope_of_zero_angles_is_plain_linear_attention():
     q, k, v = (torch.randn(2, HEADS, n, D) for _ in range(3))
     identity = torch.cat([torch.zeros(n, D), torch.ones(n, D)], dim=-1)
     for causal in (False, True):
-        assert_rms_close(ops.linear_attn(q, k, v, causal=causal, rope=identity), ops.linear_attn(q, k, v, causal=causal), 1e-6)
+        plain = ops.linear_attn(q, k, v, causal=causal)
+        assert_rms_close(ops.linear_attn(q, k, v, causal=causal, rope=identity), plain, 1e-6)
 
 
 def test_linear_rope_runs_on_the_plain_path_and_the_blocked_one_refuses_it():
@@ -287,7 +291,10 @@ def test_linear_rope_runs_on_the_plain_path_and_the_blocked_one_refuses_it():
         (lambda: axial_rope((3, 0), 8), r"grid must be \(H, W\)"),
         (lambda: axial_rope((3, 4), 8, -1), r"num_prefix_tokens must be an integer >= 0"),
         (lambda: mixed_rope(torch.zeros(3, 2, 4), (3, 4)), r"freqs must be \(2, heads, head_dim / 2\)"),
-        (lambda: apply_rope(torch.zeros(1, 2, 13, 8), axial_rope((3, 4), 8)), r"rope must be \(13, 16\) or \(2, 13, 16\)"),
+        (
+            lambda: apply_rope(torch.zeros(1, 2, 13, 8), axial_rope((3, 4), 8)),
+            r"rope must be \(13, 16\) or \(2, 13, 16\)",
+        ),
         (lambda: naive_apply_rope(torch.zeros(2, 13, 8), axial_rope((3, 4), 8)), r"must be \(B, heads, N, d\)"),
         (
             lambda: ops.linear_attn(*(torch.zeros(1, 2, 13, 8) for _ in range(3)), rope=torch.zeros(12, 16)),
