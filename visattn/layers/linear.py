@@ -24,6 +24,9 @@ class LinearAttention(GridAttention):
             needs no grid and supports ``is_causal``. The default is 3 because linear attention alone
             spreads its weight thinly over all tokens and has no notion of neighbourhood, which image
             tasks depend on; the smallest window that has neighbours restores it for little compute.
+        rope: see :class:`visattn.layers.base.GridAttention`. Linear attention has no score matrix to rotate:
+            the op turns the features phi(q), phi(k) in the numerator only, and the normalizer keeps the
+            unrotated ones, so it stays positive (RoFormer's linear attention; :func:`visattn.ops.linear_attn`).
     """
 
     name = "linear"
@@ -62,11 +65,14 @@ class LinearAttention(GridAttention):
         (:func:`visattn.ops.linear.packed_linear_attn`, no q/k norm), whose gradient then comes back in
         one piece; ``"split"`` splits the heads and calls :meth:`mix`."""
         has_qk_norm = not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity))
+        rotated = self.rope is not None
         name = select_backend(
-            "linear_projection", None, lambda: choose_linear_projection_backend(is_causal, has_qk_norm)
+            "linear_projection", None, lambda: choose_linear_projection_backend(is_causal, has_qk_norm, rotated)
         )
         if name != "split" and is_causal:
             raise ValueError(f"linear: the {name!r} projection path is non-causal; is_causal=True needs 'split'")
+        if name != "split" and rotated:
+            raise ValueError(f"linear: the {name!r} projection path does not rotate; rope needs 'split'")
         if name == "fused_qkv":
             out, values = fused_qkv_linear_attn(
                 x, self.qkv.weight, self.qkv.bias, self.num_heads, self.feature_map,
@@ -83,12 +89,20 @@ class LinearAttention(GridAttention):
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
         if is_causal and self.dwconv is not None:
             raise ValueError("linear: is_causal=True cannot be combined with dwconv_kernel (the convolution sees later tokens)")
-        out = linear_attn(q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size)
+        rope = None if self.rope is None else self.rope(grid, self.num_prefix_tokens, q)
+        out = linear_attn(
+            q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size, rope=rope
+        )
         if self.dwconv is None:
             return out
         # (B, N, C): a view when the op's output is token-major, a copy otherwise (the plain path)
         merged = self._add_locality(merge_heads(out), merge_heads(v), grid)
         return split_heads(merged, self.num_heads)
+
+    def rotate(self, q, k, grid) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unchanged: :meth:`mix` hands the rope table to the op, which rotates the features of the
+        numerator only."""
+        return q, k
 
     def _add_locality(self, out: torch.Tensor, values: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
         """Adds the depthwise convolution of the patch values over the grid to the patch outputs, in place.

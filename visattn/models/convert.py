@@ -229,13 +229,13 @@ def _check_source(old: nn.Module, index: int) -> None:
 
 def _check_patch_drop(model: VisionTransformer, layers: list[GridAttention]) -> None:
     drops_patches = isinstance(model.patch_drop, PatchDropout) and model.patch_drop.prob > 0
-    gridded = sorted({layer.name for layer in layers if layer.needs_grid})
+    gridded = sorted({layer.name for layer in layers if layer.needs_grid or layer.rope is not None})
     if drops_patches and gridded:
         gridless = [name for name in list_attentions() if get_attention(name).needs_grid is False]
         raise ValueError(
             f"patch_drop_rate={model.patch_drop.prob} drops patch tokens, so there is no patch grid for "
             f"{', '.join(gridded)}; use patch_drop_rate=0 or a type that does not need the grid "
-            f"(e.g. {', '.join(gridless)})"
+            f"(e.g. {', '.join(gridless)}, without rope)"
         )
 
 
