@@ -58,8 +58,8 @@ def read_image(path: str | Path, draft: bool = False) -> Image.Image:
     """The image at ``path`` as 8-bit RGB (:func:`to_rgb`); UnreadableImageError saying why it cannot be read.
 
     ``draft``: a JPEG is decoded at an eighth of its size (Pillow's ``draft``), which still reads and decodes
-    all of its data, so a damaged file fails as it would at full size, in about half the time: for a check
-    that does not keep the pixels.
+    all of its data, so a damaged file fails as it would at full size, with less pixel work: for a check that
+    does not keep the pixels.
     """
     try:
         with open(path, "rb") as handle:
