@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import ProjectConfiguration, broadcast_object_list
 from timm.data import Mixup
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -19,7 +19,10 @@ from torch.utils.data import DataLoader
 
 from visattn.models import create_model
 from visattn.train.config import ConfigError, TrainConfig
-from visattn.train.data import DataError, DataSplits, TransformedDataset, build_transform, load_splits
+from visattn.train.data import (
+    DataError, DataSplits, ImageCheck, TransformedDataset, build_transform, check_images, describe_unreadable, load_splits,
+    without_images,
+)
 
 
 def launched_without_accelerator() -> bool:
@@ -47,18 +50,34 @@ def build_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
     )
 
 
-def load_data(accelerator: Accelerator, config: TrainConfig, download: bool) -> DataSplits:
-    """The main process loads (and downloads) first; the others then read what it left on disk."""
-    splits, error = None, None
+def load_data(accelerator: Accelerator, config: TrainConfig, download: bool) -> tuple[DataSplits, ImageCheck]:
+    """The splits of ``config``, every image file in them checked (:func:`check_images`).
+
+    The main process loads (and downloads) and checks first; the others then read what it left on disk and
+    take its findings, so that every process stops with the same error or leaves out the same files.
+    Unreadable files stop the run with one line naming them, or with ``skip_bad_images`` are left out.
+    """
+    splits, error, check = None, None, ImageCheck()
     if accelerator.is_main_process:
         try:
             splits = load_splits(config, download)
+            check = check_images(config, splits)
         except DataError as caught:
             error = caught
     accelerator.wait_for_everyone()
+    error, check = broadcast_object_list([error, check])
     if error is not None:
         raise error
-    return splits if splits is not None else load_splits(config, download=False)
+    if splits is None:
+        splits = load_splits(config, download=False)
+    if check.unreadable:
+        if not config.skip_bad_images:
+            raise DataError(
+                f"{describe_unreadable(check.unreadable)}. Fix or remove them, or pass --skip-bad-images to train "
+                "without them"
+            )
+        splits = without_images(splits, check.unreadable)
+    return splits, check
 
 
 def build_model(config: TrainConfig, num_classes: int) -> nn.Module:

@@ -67,7 +67,14 @@ class TrainConfig:
     )
     max_train_samples: int | None = field(default=None, metadata=_help("train on a fixed random subset of this size"))
     max_eval_samples: int | None = field(default=None, metadata=_help("evaluate on a fixed random subset of this size"))
-    num_workers: int = field(default=0, metadata=_help("DataLoader worker processes"))
+    num_workers: int = field(
+        default=0, metadata=_help("DataLoader worker processes (and threads of the image check before training)")
+    )
+    skip_bad_images: bool = field(
+        default=False,
+        metadata=_help("leave out image files that cannot be read (counted, named at the start and end and in "
+                       "summary.json) instead of stopping"),
+    )
     # model
     model: str = field(
         default="visattn_vit_tiny_patch16",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from visattn.predict import BEST_WEIGHTS, LAST_WEIGHTS, MODEL_FILE
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
 from visattn.train.config import TrainConfig, config_yaml
-from visattn.train.data import DataSplits, eval_data_config
+from visattn.train.data import DataSplits, describe_unreadable, eval_data_config
 
 # The loss and learning rate in the progress bar are refreshed at most this often.
 POSTFIX_SECONDS = 0.5
@@ -140,6 +140,7 @@ class Training:
 
     ``selection_loader`` is evaluated every epoch and chooses the best weights: the validation split
     (``selection_split`` "val"), or the test split (``eval_loader``, "test") for a dataset without one.
+    ``skipped_images``: the image files left out as unreadable (path -> what is wrong), under skip_bad_images.
     """
 
     accelerator: Accelerator
@@ -155,6 +156,7 @@ class Training:
     state: dict[str, Any]
     selection_loader: DataLoader
     selection_split: str
+    skipped_images: dict[str, str] = field(default_factory=dict)
 
 
 def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
@@ -278,6 +280,7 @@ def summarize(run: Training, test: dict[str, float], seconds: float) -> dict[str
         images_per_s=sum(r["train_images"] for r in history) / sum(r["train_time_s"] for r in history),
         peak_mem_mib=max(r["peak_mem_mib"] for r in history), mem_kind=history[-1]["mem_kind"],
         wall_time_s=seconds, skipped_updates=run.state.get("skipped_updates", 0),
+        skipped_images=len(run.skipped_images), skipped_image_files=run.skipped_images,
     )
 
 
@@ -301,6 +304,9 @@ def finish_run(run: Training, already_finished: bool, seconds: float) -> dict[st
     )
     if summary.get("skipped_updates"):
         accelerator.print(f"{summary['skipped_updates']} update(s) skipped for a non-finite loss or gradient")
+    if summary.get("skipped_images"):
+        accelerator.print(f"left out (--skip-bad-images): {describe_unreadable(summary['skipped_image_files'], listed=3)} "
+                          f"(all of them in {run_log.SUMMARY_FILE})")
     return summary
 
 
