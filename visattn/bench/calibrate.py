@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from visattn.bench.sweep import TIMM, Result
+from visattn.bench.sweep import TILED, TIMM, Result
 from visattn.models.auto import save_calibration, thresholds_from_timings
 
 
@@ -14,7 +14,7 @@ def calibrate(results: list[Result], args: argparse.Namespace) -> dict[str, Any]
     mode = "train" if "train" in args.modes else "infer"
     timings: dict[int, dict[str, float]] = {}
     for r in results:
-        if r.case.mode == mode and r.ok and r.case.attn != TIMM:
+        if r.case.mode == mode and r.ok and r.case.attn not in (TIMM, TILED):
             timings.setdefault(r.tokens, {})[r.case.attn] = r.step_time / r.case.batch_size
     thresholds = thresholds_from_timings(timings)
     details = {

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from visattn.bench.sweep import FLOOR, TIMM, Result
+from visattn.bench.sweep import FLOOR, TILED, TIMM, Result
 from visattn.bench.targets import seed_claim
 
 MB = 2**20
@@ -90,7 +90,7 @@ def csv_rows(results: list[Result]) -> list[dict[str, Any]]:
         case = first.case
         row: dict[str, Any] = {"attn": attn}
         if case.kind == "model":
-            row |= {"model": case.timm_name if attn == TIMM else case.model_name}
+            row |= {"model": case.timm_name if attn in (TIMM, TILED) else case.model_name}
         else:
             row |= {"num_heads": case.num_heads, "head_dim": case.head_dim}
         row |= {"tokens": first.tokens, "grid": f"{first.grid[0]}x{first.grid[1]}", "device": case.device, "dtype": case.dtype}
@@ -200,6 +200,11 @@ def markdown_report(results: list[Result], summary: dict[str, Any], fit_points: 
     )
     flags = (", compiled" if first.compile else "") + (", gradient checkpointing" if first.grad_checkpointing else "")
     lines = [f"# visattn-bench: {what}, {first.device}, {first.dtype}{flags}", ""]
+    tiled = next((r.case for r in results if r.case.attn == TILED), None)
+    if tiled is not None:
+        (th, tw), overlap = tiled.tile, tiled.tile_overlap
+        lines += [f"{TILED}: timm {tiled.timm_name} at {th}x{tw} px on tiles of the image overlapping by at least "
+                  f"{overlap} px, all tiles of a batch in one forward", ""]
     modes = list(dict.fromkeys(r.case.mode for r in results))
     titles = (
         {"infer": "Forward", "train": "Forward + backward"}
@@ -259,7 +264,11 @@ def plot(results: list[Result], path: Path) -> None:
     ops = results[0].case.kind == "op"
     modes = list(dict.fromkeys(r.case.mode for r in results))
     fig, axes = plt.subplots(len(modes), 2, figsize=(12, 4.5 * len(modes)), squeeze=False)
-    style = {TIMM: dict(color="black", linewidth=2.5), FLOOR: dict(color="grey", linestyle="--", linewidth=2)}
+    style = {
+        TIMM: dict(color="black", linewidth=2.5),
+        FLOOR: dict(color="grey", linestyle="--", linewidth=2),
+        TILED: dict(color="black", linestyle=":", linewidth=2),
+    }
     for row, mode in enumerate(modes):
         ax_speed, ax_mem = axes[row]
         for attn in dict.fromkeys(r.case.attn for r in results):

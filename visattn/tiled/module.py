@@ -70,6 +70,10 @@ class TiledViT(nn.Module):
     def num_classes(self) -> int:
         return self.model.num_classes
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """The wrapped model's gradient checkpointing (recompute each block in the backward)."""
+        self.model.set_grad_checkpointing(enable)
+
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, H_img, W_img) -> (B, P + H * W, C): the prefix tokens averaged over the tiles, then the merged
         patch grid, row-major: the layout of the wrapped model's ``forward_features``."""
