@@ -143,9 +143,7 @@ def check_tiled_sizes(
             raise ValueError(f"image size {size[0]}x{size[1]}: {err}") from None
 
 
-def tiled_cost(
-    shape: ViTShape, case: Case, options: dict[str, Any], act_bytes: int, param_count: int
-) -> tuple[int, int]:
+def tiled_cost(shape: ViTShape, case: Case, options: dict[str, Any], param_count: int) -> tuple[int, int]:
     """FLOPs per image and the memory estimate of a tiled case: the model's cost at the tile size, once per
     tile (its head once per image), with every tile of the batch in one forward."""
     tiles = tile_layout(case.size, case.tile, case.tile_overlap, shape.patch_size).num_tiles
@@ -153,7 +151,7 @@ def tiled_cost(
     head = 2 * shape.embed_dim * shape.num_classes * (3 if training else 1)
     flops = tiles * ((train_flops if training else vit_flops)(shape, case.tile, "softmax", options) - head) + head
     estimate = estimate_memory(
-        shape, case.tile, "softmax", options, case.batch_size * tiles, training, act_bytes, param_count,
+        shape, case.tile, "softmax", options, case.batch_size * tiles, training, case.act_bytes, param_count,
         grad_checkpointing=case.grad_checkpointing,
     )
     return flops, estimate
@@ -185,7 +183,7 @@ def plan_model_sweep(args: argparse.Namespace) -> list[list[Result]]:
                 param_count = sum(p.numel() for p in meta.parameters())
                 training = mode == "train"
                 if attn == TILED:
-                    flops, estimate = tiled_cost(shape, case, options, case.act_bytes, param_count)
+                    flops, estimate = tiled_cost(shape, case, options, param_count)
                 else:
                     flops = (train_flops if training else vit_flops)(shape, size, cost_attn, options)
                     estimate = estimate_memory(

@@ -6,11 +6,11 @@ tile, but every forward is the size the model was trained at.
     from visattn.predict import load_trained_model
     from visattn.tiled import TiledViT
 
-    model = TiledViT(load_trained_model("runs/digits-64px"), overlap=16)   # tiles of the training img_size
-    logits = model(images)                                                 # (B, num_classes), images (B, 3, 256, 256)
+    model = TiledViT(load_trained_model(run_dir), overlap=16)     # tiles of the img_size it was trained at
+    logits = model(images)                                        # (B, num_classes) for images larger than that
 
-    timm_vit = timm.create_model("vit_small_patch16_224", pretrained=True)
-    token_map = TiledViT(timm_vit, overlap=32, features_only=True)(images)  # (B, 384, H / 16, W / 16)
+    timm_vit = timm.create_model("vit_small_patch16_224", pretrained=True).eval()
+    token_map = TiledViT(timm_vit, overlap=32, features_only=True)(images)  # (B, 384, H_img / 16, W_img / 16)
 
 How it works, for an image of H x W patches and tiles of h x w patches (:mod:`~visattn.tiled.layout`):
 

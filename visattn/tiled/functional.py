@@ -35,6 +35,11 @@ def check_merge(merge: str) -> None:
         raise ValueError(f"merge must be one of {', '.join(MERGES)}, got {merge!r}")
 
 
+def check_max_tile_batch(max_tile_batch: int | None) -> None:
+    if max_tile_batch is not None and (not isinstance(max_tile_batch, int) or max_tile_batch < 1):
+        raise ValueError(f"max_tile_batch must be None (all tiles at once) or an int >= 1, got {max_tile_batch!r}")
+
+
 def check_model(model: nn.Module) -> None:
     """ValueError unless ``model`` is a timm ``VisionTransformer`` (stock, or a visattn one)."""
     if not isinstance(model, VisionTransformer):
@@ -145,8 +150,7 @@ def tiled_features(
     """
     check_model(model)
     check_merge(merge)
-    if max_tile_batch is not None and (not isinstance(max_tile_batch, int) or max_tile_batch < 1):
-        raise ValueError(f"max_tile_batch must be None (all tiles at once) or an int >= 1, got {max_tile_batch!r}")
+    check_max_tile_batch(max_tile_batch)
     if images.ndim != 4:
         raise ValueError(f"images must be (B, C, H, W), got shape {tuple(images.shape)}")
     tile = pixel_pair(model_tile(model) if tile is None else tile, "tile")

@@ -7,6 +7,7 @@ from einops import rearrange
 from timm.models.vision_transformer import VisionTransformer
 
 from visattn.tiled.functional import (
+    check_max_tile_batch,
     check_merge,
     check_model,
     check_tile_fits_model,
@@ -54,8 +55,7 @@ class TiledViT(nn.Module):
         check_merge(merge)
         if output_fmt not in OUTPUT_FORMATS:
             raise ValueError(f"output_fmt must be one of {', '.join(OUTPUT_FORMATS)}, got {output_fmt!r}")
-        if max_tile_batch is not None and (not isinstance(max_tile_batch, int) or max_tile_batch < 1):
-            raise ValueError(f"max_tile_batch must be None (all tiles at once) or an int >= 1, got {max_tile_batch!r}")
+        check_max_tile_batch(max_tile_batch)
         tile = pixel_pair(model_tile(model) if tile is None else tile, "tile")
         # An image of exactly one tile checks the tile and the overlap against the patch size now, not at the
         # first forward.
