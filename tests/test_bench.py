@@ -211,6 +211,32 @@ def test_references_can_leave_timm_out(tmp_path):
         assert json.load(f)["crossover"] == {}
 
 
+def test_tiled_reference_row_runs_timm_on_tiles(tmp_path):
+    """The tiled row: timm's model built at the tile size, with timm's parameters, once per tile: 9 tiles of 2x2
+    patches overlapping by one patch on a 4x4 grid, the head once per image."""
+    stdout = _run(["--attn", "linear", "--sizes", "64", "--modes", "infer", "--references", "timm", "tiled",
+                   "--tile", "32", "--tile-overlap", "16", "--out", str(tmp_path)] + TINY_MODEL + FAST)
+    assert "tiled: timm vit_small_patch16_224 at 32x32 px on tiles of the image overlapping by at least 16 px" in stdout
+    timm_row, tiled, _ = rows = _read_csv(tmp_path / "bench.csv")
+    assert [(r["attn"], r["tokens"], r["infer_status"]) for r in rows] == [
+        ("timm", "16", "ok"), ("tiled", "16", "ok"), ("linear", "16", "ok")
+    ]
+    assert tiled["model"] == "vit_small_patch16_224" and tiled["param_count"] == timm_row["param_count"]
+    tile_model = timm.create_model("vit_small_patch16_224", img_size=32, embed_dim=32, depth=1, num_heads=2, num_classes=10)
+    per_tile = vit_flops(ViTShape.from_model(tile_model), (32, 32), "softmax", {})
+    head = 2 * 32 * 10  # embed_dim x num_classes
+    assert float(tiled["infer_gflops"]) * 1e9 == pytest.approx(9 * (per_tile - head) + head, rel=1e-3)
+
+
+def test_tiled_reference_refuses_sizes_it_cannot_cut(capsys):
+    for argv in (["--sizes", "32", "--tile", "64"], ["--sizes", "64", "--tile", "32", "--tile-overlap", "8"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv + ["--references", "tiled", "--device", "cpu"] + TINY_MODEL)
+    err = capsys.readouterr().err
+    assert "--references tiled: image size 32x32: image height 32 px is smaller than the tile height 64 px" in err
+    assert "--references tiled: image size 64x64: overlap height must be a multiple of the patch size 16 px" in err
+
+
 # ---------------------------------------------------------------------------------------------------
 # FLOP formulas
 

@@ -5,7 +5,10 @@ every selected attention type is built into the same backbone (``--model``, defa
 ``visattn_vit_small_patch16``) next to two references: ``timm``, timm's stock ViT of the same shape with
 its fused softmax attention (``vit_small_patch16_224`` built with the image size), and ``floor``, the
 layer that mixes no tokens (the speed limit); ``--references`` can leave either out, e.g. timm in a run
-at sizes where one of its steps would take an hour. Each row is timed in inference (forward under
+at sizes where one of its steps would take an hour, and add a third, ``tiled``: timm's stock ViT built at
+its own input size (``--tile``, default 224) and run on tiles of the image overlapping by
+``--tile-overlap`` pixels, all tiles of a batch in one forward (:class:`visattn.tiled.TiledViT`), the
+baseline a user would try first. Each row is timed in inference (forward under
 ``inference_mode``) and in training (forward, backward, AdamW step), the latter optionally with gradient
 checkpointing (``--grad-checkpointing``).
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from visattn.bench.sweep import TIMM, Result
+from visattn.bench.sweep import TILED, TIMM, Result
 from visattn.models.auto import calibration_from_timings, save_calibration
 
 
 def seconds_per_image(results: list[Result], mode: str) -> dict[int, dict[int, dict[str, float]]]:
     """{batch size: {patch tokens: {type: median seconds per image}}} of the rows of ``mode`` that ran
-    (timm aside: auto chooses among visattn's types)."""
+    (timm and tiled aside: auto chooses among visattn's types)."""
     timings: dict[int, dict[int, dict[str, float]]] = {}
     for r in results:
-        if r.case.mode == mode and r.ok and r.case.attn != TIMM:
+        if r.case.mode == mode and r.ok and r.case.attn not in (TIMM, TILED):
             timings.setdefault(r.case.batch_size, {}).setdefault(r.tokens, {})[r.case.attn] = r.step_time / r.case.batch_size
     return timings
 

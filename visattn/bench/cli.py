@@ -20,8 +20,11 @@ from visattn.bench.sweep import (
     DTYPES,
     FLOOR,
     MODES,
+    TILED,
     TIMM,
     Result,
+    check_tiled_sizes,
+    default_tile,
     plan_model_sweep,
     plan_ops_sweep,
     timm_reference_name,
@@ -90,9 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="bf16: autocast mixed precision")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (the op in --ops)")
     p.add_argument(
-        "--references", nargs="*", choices=[TIMM, FLOOR], default=[TIMM, FLOOR],
-        help="reference rows of the model sweep; leave timm out where its step would take too long",
+        "--references", nargs="*", choices=[TIMM, FLOOR, TILED], default=[TIMM, FLOOR],
+        help="reference rows of the model sweep; leave timm out where its step would take too long; tiled: timm's "
+        "model at --tile px run on tiles of the image (visattn.tiled)",
     )
+    p.add_argument("--tile", type=_size, help="tile size of the tiled row, N or HxW px; default: the timm model's input size")
+    p.add_argument("--tile-overlap", type=int, default=0, help="least overlap of the tiled row's tiles, px (a multiple of the patch)")
     p.add_argument(
         "--grad-checkpointing", action="store_true", help="train mode: recompute each block in the backward (timm's set_grad_checkpointing)"
     )
@@ -157,6 +163,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             args.timm_model = args.timm_model or timm_reference_name(args.model)
         except ValueError as err:
             parser.error(str(err))
+        args.tile = args.tile or default_tile(args.timm_model)
+        if TILED in args.references:
+            try:
+                check_tiled_sizes(args.timm_model, args.model_kwargs, args.tile, args.tile_overlap, args.sizes)
+            except ValueError as err:
+                parser.error(f"--references {TILED}: {err}")
     return args
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from visattn.bench.ratios import Spread, rate_ratio
-from visattn.bench.sweep import FLOOR, TIMM, Result
+from visattn.bench.sweep import FLOOR, TILED, TIMM, Result
 from visattn.bench.targets import MIN_ROUNDS, Verdict, seed_claim
 
 MB = 2**20
@@ -126,7 +126,7 @@ def csv_rows(results: list[Result]) -> list[dict[str, Any]]:
         case = first.case
         row: dict[str, Any] = {"attn": attn}
         if case.kind == "model":
-            row |= {"model": case.timm_name if attn == TIMM else case.model_name}
+            row |= {"model": case.timm_name if attn in (TIMM, TILED) else case.model_name}
         else:
             row |= {"num_heads": case.num_heads, "head_dim": case.head_dim}
         row |= {"batch_size": batch_size, "tokens": first.tokens, "grid": f"{first.grid[0]}x{first.grid[1]}"}
@@ -283,6 +283,11 @@ def markdown_report(
     if not ops:
         lines += ["% floor and x timm: the median over interleaved rounds of the per-round ratio, with its "
                   "interquartile range.", ""]
+    tiled = next((r.case for r in results if r.case.attn == TILED), None)
+    if tiled is not None:
+        (th, tw), overlap = tiled.tile, tiled.tile_overlap
+        lines += [f"{TILED}: timm {tiled.timm_name} at {th}x{tw} px on tiles of the image overlapping by at least "
+                  f"{overlap} px, all tiles of a batch in one forward", ""]
     settings = _settings(results)
     titles = (
         {"infer": "Forward", "train": "Forward + backward"}
@@ -351,7 +356,11 @@ def plot(results: list[Result], path: Path) -> None:
     ops = results[0].case.kind == "op"
     settings = _settings(results)
     fig, axes = plt.subplots(len(settings), 2, figsize=(12, 4.5 * len(settings)), squeeze=False)
-    style = {TIMM: dict(color="black", linewidth=2.5), FLOOR: dict(color="grey", linestyle="--", linewidth=2)}
+    style = {
+        TIMM: dict(color="black", linewidth=2.5),
+        FLOOR: dict(color="grey", linestyle="--", linewidth=2),
+        TILED: dict(color="black", linestyle=":", linewidth=2),
+    }
     for row, (mode, batch_size) in enumerate(settings):
         ax_speed, ax_mem = axes[row]
         here = [r for r in results if (r.case.mode, r.case.batch_size) == (mode, batch_size)]

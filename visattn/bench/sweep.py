@@ -15,11 +15,14 @@ import visattn.models  # noqa: F401  (registers the visattn_vit_* models with ti
 from visattn.bench.flops import ViTShape, attention_options, estimate_memory, train_flops, vit_flops
 from visattn.layers import GridAttention, get_attention
 from visattn.layers.cost import MixingMemory, TokenLayout
+from visattn.tiled import TiledViT, tile_layout
 
 MODES = ("infer", "train")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TIMM = "timm"
 FLOOR = "floor"
+# timm's stock model at its own resolution, run on tiles of the image (visattn.tiled).
+TILED = "tiled"
 # The naive twin of softmax attention (explicit N x N scores), timed by the ops benchmark beside the layers.
 EXPLICIT_SOFTMAX = "softmax_explicit"
 DEFAULT_MODEL = "visattn_vit_small_patch16"
@@ -45,6 +48,8 @@ class Case:
     num_heads: int = 6
     head_dim: int = 64
     grad_checkpointing: bool = False  # train mode: timm's set_grad_checkpointing (recompute each block)
+    tile: tuple[int, int] = (224, 224)  # the tiled row: tile size (pixels), the size its timm model is built for
+    tile_overlap: int = 0  # the tiled row: least overlap of neighbouring tiles (pixels)
 
     @property
     def size_label(self) -> str:
@@ -105,11 +110,14 @@ class Result:
 
 
 def build_model(case: Case, device: str | torch.device | None = None) -> torch.nn.Module:
-    """The model of a model case: the visattn ViT with ``case.attn``, or timm's stock ViT for ``timm``."""
+    """The model of a model case: the visattn ViT with ``case.attn``, timm's stock ViT for ``timm``, or for
+    ``tiled`` timm's stock ViT built at the tile size and wrapped in :class:`~visattn.tiled.TiledViT`."""
     common = dict(img_size=case.size, num_classes=case.num_classes, **case.model_kwargs)
     with torch.device(device or case.device):
         if case.attn == TIMM:
             return timm.create_model(case.timm_name, **common)
+        if case.attn == TILED:
+            return TiledViT(timm.create_model(case.timm_name, **(common | dict(img_size=case.tile))), overlap=case.tile_overlap)
         return timm.create_model(case.model_name, attn=case.attn, attn_kwargs=case.attn_kwargs, **common)
 
 
@@ -126,6 +134,39 @@ def timm_reference_name(model_name: str) -> str:
     if not model_name.startswith("visattn_") or not timm.is_model(candidate):
         raise ValueError(f"no timm reference model found for {model_name!r}; name one with --timm-model")
     return candidate
+
+
+def default_tile(timm_name: str) -> tuple[int, int]:
+    """The input size (h, w) of timm's pretrained configuration of ``timm_name``: the tiled row's tile."""
+    _, height, width = timm.models.get_pretrained_cfg_value(timm_name, "input_size")
+    return height, width
+
+
+def check_tiled_sizes(
+    timm_name: str, model_kwargs: dict[str, Any], tile: tuple[int, int], overlap: int, sizes: list[tuple[int, int]]
+) -> None:
+    """ValueError naming the first image size the tiled row cannot cut into tiles of its model."""
+    with torch.device("meta"):
+        patch_size = tuple(timm.create_model(timm_name, **(model_kwargs | dict(img_size=tile))).patch_embed.patch_size)
+    for size in sizes:
+        try:
+            tile_layout(size, tile, overlap, patch_size)
+        except ValueError as err:
+            raise ValueError(f"image size {size[0]}x{size[1]}: {err}") from None
+
+
+def tiled_cost(shape: ViTShape, case: Case, options: dict[str, Any], param_count: int) -> tuple[int, int]:
+    """FLOPs per image and the memory estimate of a tiled case: the model's cost at the tile size, once per
+    tile (its head once per image), with every tile of the batch in one forward."""
+    tiles = tile_layout(case.size, case.tile, case.tile_overlap, shape.patch_size).num_tiles
+    training = case.mode == "train"
+    head = 2 * shape.embed_dim * shape.num_classes * (3 if training else 1)
+    flops = tiles * ((train_flops if training else vit_flops)(shape, case.tile, "softmax", options) - head) + head
+    estimate = estimate_memory(
+        shape, case.tile, "softmax", options, case.batch_size * tiles, training, case.act_bytes, param_count,
+        grad_checkpointing=case.grad_checkpointing,
+    )
+    return flops, estimate
 
 
 @dataclass(frozen=True)
@@ -157,8 +198,8 @@ def plan_model_sweep(args: argparse.Namespace) -> list[list[Result]]:
 
 
 def plan_model_point(args: argparse.Namespace, point: Point) -> list[Result]:
-    """The results of one point: rows timm, floor, the types; each in every mode of the point."""
-    references = [r for r in (TIMM, FLOOR) if r in args.references]
+    """The results of one point: rows timm, floor, tiled, the types; each in every mode of the point."""
+    references = [r for r in (TIMM, FLOOR, TILED) if r in args.references]
     rows = references + [a for a in args.attn if a not in references]
     group = []
     for mode in point.modes:
@@ -168,19 +209,23 @@ def plan_model_point(args: argparse.Namespace, point: Point) -> list[Result]:
                 dtype=args.dtype, compile=args.compile, attn_kwargs=args.attn_kwargs.get(attn, {}),
                 model_name=args.model, timm_name=args.timm_model, num_classes=args.num_classes,
                 model_kwargs=args.model_kwargs, grad_checkpointing=args.grad_checkpointing,
+                tile=args.tile, tile_overlap=args.tile_overlap,
             )
             meta = build_model(case, device="meta")  # also checks the options, before any worker starts
-            shape = ViTShape.from_model(meta)
+            shape = ViTShape.from_model(meta.model if attn == TILED else meta)
             grid = shape.grid(point.size)
-            cost_attn = "softmax" if attn == TIMM else attn
+            cost_attn = "softmax" if attn in (TIMM, TILED) else attn
             options = attention_options(cost_attn, case.attn_kwargs, grid)
             param_count = sum(p.numel() for p in meta.parameters())
             training = mode == "train"
-            flops = (train_flops if training else vit_flops)(shape, point.size, cost_attn, options)
-            estimate = estimate_memory(
-                shape, point.size, cost_attn, options, point.batch_size, training, case.act_bytes, param_count,
-                grad_checkpointing=args.grad_checkpointing,
-            )
+            if attn == TILED:
+                flops, estimate = tiled_cost(shape, case, options, param_count)
+            else:
+                flops = (train_flops if training else vit_flops)(shape, point.size, cost_attn, options)
+                estimate = estimate_memory(
+                    shape, point.size, cost_attn, options, point.batch_size, training, case.act_bytes, param_count,
+                    grad_checkpointing=args.grad_checkpointing,
+                )
             group.append(Result(case, grid[0] * grid[1], grid, flops, estimate, param_count))
     return group
 
