@@ -22,6 +22,7 @@ from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.rope import naive_apply_rope
 from visattn.ops.sparse import sparse_mask
 from visattn.train.attention import resolve_attention
+from visattn.train.build import build_optimizer
 from visattn.train.config import ConfigError, TrainConfig
 
 DIM, HEADS = 16, 2  # head_dim 8
@@ -198,6 +199,23 @@ def test_train_config_routes_rope_and_refuses_bad_values():
     with pytest.raises(ConfigError, match="neighborhood: unknown option"):
         resolve_attention(TrainConfig(attn="softmax", attn_kwargs={"neighborhood": {"rope": "axial", "x": 1}}))
 
+
+
+@pytest.mark.parametrize("opt_kwargs", [{}, {"layer_decay": 0.75}], ids=["plain", "layer_decay"])
+def test_mixed_rope_frequencies_are_kept_out_of_weight_decay(opt_kwargs):
+    model = timm.create_model(
+        "visattn_vit_tiny_patch16", attn="softmax", attn_kwargs={"rope": "mixed"}, img_size=32, patch_size=8, depth=2,
+        embed_dim=32, num_heads=2, num_classes=3,
+    )
+    optimizer = build_optimizer(TrainConfig(weight_decay=0.05, opt_kwargs=opt_kwargs), model)
+    decay = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    parameters = dict(model.named_parameters())
+    assert len(decay) == len(parameters)  # every parameter in exactly one group
+    assert [decay[id(parameters[f"blocks.{i}.attn.rope.freqs"])] for i in range(2)] == [0.0, 0.0]
+    assert decay[id(parameters["pos_embed"])] == 0.0 and decay[id(parameters["blocks.0.norm1.weight"])] == 0.0
+    assert decay[id(parameters["blocks.0.attn.qkv.weight"])] == 0.05
+    scales = {group.get("lr_scale", 1.0) for group in optimizer.param_groups}
+    assert (len(scales) > 1) == ("layer_decay" in opt_kwargs)
 
 def test_bench_command_line_takes_rope_and_checks_it_before_measuring():
     common = ["--attn-kwargs", "rope=axial", "--sizes", "32", "--model", "visattn_vit_tiny_patch16"]

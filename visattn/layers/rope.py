@@ -42,6 +42,11 @@ class GridRope(nn.Module):
             with torch.no_grad():
                 self.freqs.copy_(init_mixed_rope_freqs(self.head_dim, self.num_heads, device=self.freqs.device))
 
+    def no_weight_decay(self) -> set[str]:
+        """RoPE-Mixed's frequencies stay out of weight decay, as in timm's own rotary modules: decay would pull
+        every frequency towards 0, i.e. towards no position at all."""
+        return {"freqs"} if self.freqs is not None else set()
+
     def forward(self, grid: tuple[int, int], num_prefix_tokens: int, like: torch.Tensor) -> torch.Tensor:
         """The table of ``grid`` for tokens like ``like`` (B, heads, N, d): (N, 2 d) for axial (at least
         fp32, on like's device), (heads, N, 2 d) for mixed (in the frequencies' dtype)."""
