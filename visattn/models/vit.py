@@ -8,7 +8,7 @@
 Every keyword of timm's ``VisionTransformer`` passes through (``img_size`` as int or (H, W),
 ``patch_size``, ``reg_tokens``, ``class_token``, ``global_pool``, ``dynamic_img_size``,
 ``drop_path_rate``, ...). ``attn`` is one name of :func:`visattn.list_attentions`, a list with one name
-per block, or ``"auto"`` (chosen by :func:`visattn.models.auto.select_attention` from the model name, the image
+per block, ``"timm"`` (timm's own ``Attention`` kept: the stock model, the reference), or ``"auto"`` (chosen by :func:`visattn.models.auto.select_attention` from the model name, the image
 size and ``auto_batch_size``, the images per step the model will run at, default 1); ``attn_kwargs`` holds
 the type options, as in :func:`visattn.convert`.
 
@@ -30,7 +30,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from visattn.models.auto import check_auto_batch_size, select_attention
-from visattn.models.convert import convert
+from visattn.models.convert import TIMM_ATTENTION, convert, keep_timm_attention
 from visattn.models.shapes import MODEL_SHAPES
 
 
@@ -72,6 +72,8 @@ def _create_visattn_vit(
 
     def build(**model_kwargs: Any) -> VisionTransformer:
         model = VisionTransformer(**model_kwargs)
+        if attn == TIMM_ATTENTION:
+            return keep_timm_attention(model, attn_kwargs)
         names = attn
         if attn == "auto":
             embed = model.patch_embed
