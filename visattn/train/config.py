@@ -22,6 +22,7 @@ from timm.optim import list_optimizers
 
 from visattn.layers import list_attentions
 from visattn.layers.options import load_yaml
+from visattn.models import TIMM_ATTENTION
 from visattn.train.augment import check_auto_augment
 from visattn.train.datasets import DATASET_SPECS
 from visattn.train.fieldtypes import matches, type_name
@@ -278,11 +279,15 @@ def check_values(config: TrainConfig) -> None:
     if isinstance(config.attn, list):
         if len(config.attn) != config.depth:
             raise ConfigError(f"attn: {len(config.attn)} names given for depth={config.depth}; give one name or one per block")
+        if TIMM_ATTENTION in config.attn:
+            raise ConfigError(f"attn: {TIMM_ATTENTION!r} (timm's own Attention) is for every block; give it alone, not per block")
         bad = [name for name in config.attn if name not in valid]
     else:
-        bad = [] if config.attn in valid or config.attn == "auto" else [config.attn]
+        bad = [] if config.attn in valid or config.attn in ("auto", TIMM_ATTENTION) else [config.attn]
     if bad:
-        raise ConfigError(f"attn: unknown attention {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
+        raise ConfigError(
+            f"attn: unknown attention {', '.join(map(repr, bad))}; valid: {', '.join(valid)}, auto, {TIMM_ATTENTION}"
+        )
     if config.pretrained and config.initial_checkpoint is not None:
         raise ConfigError("pretrained and initial_checkpoint exclude each other: start from timm's weights or from the file")
     overlap = sorted(set(config.model_kwargs) & _OWN_MODEL_KEYS)

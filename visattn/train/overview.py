@@ -45,7 +45,7 @@ def run_overview(
     patch_h, patch_w = model.patch_embed.patch_size
     prefix = model.num_prefix_tokens
     params = sum(p.numel() for p in model.parameters())
-    names = [getattr(block.attn, "name", type(block.attn).__name__) for block in model.blocks]
+    names = [getattr(block.attn, "name", f"timm's {type(block.attn).__name__}") for block in model.blocks]  # attn=timm
     global_batch = config.batch_size * num_processes
     updates = -(-batches_per_epoch // config.grad_accum_steps)
     threads = f" ({_count(torch.get_num_threads(), 'CPU thread')} each)" if device.type == "cpu" else ""
