@@ -98,6 +98,7 @@ def test_tiny_run_writes_config_metrics_plot_and_checkpoints(tiny_run):
     for record in records:
         assert record["val_samples"] == 50 and record["train_images"] == 96
         assert record["images_per_s"] > 0 and record["peak_mem_mib"] > 0 and record["lr"] > 0
+        assert record["images_per_s"] == record["train_images"] / record["train_time_s"] and record["eval_time_s"] > 0
         assert 0 <= record["val_acc"] <= 1 and record["train_loss"] > 0
         assert not any(key.startswith("test_") for key in record)  # the test split is not looked at every epoch
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

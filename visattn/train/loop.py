@@ -234,18 +234,21 @@ def finish_epoch(run: Training, epoch: int, loss_sum: float, images: int, train_
     """Evaluate on the selection split, log, write the best and last weights, checkpoint the end of ``epoch``."""
     accelerator, state, split = run.accelerator, run.state, run.selection_split
     peak_mib, mem_kind = run_log.peak_memory_mib(accelerator.device)
+    eval_started = time.perf_counter()
     scores = evaluate(accelerator, run.model, run.selection_loader)
+    eval_time = time.perf_counter() - eval_started
     record = dict(
         epoch=epoch + 1, update=state["update"], train_loss=loss_sum / images if images else float("nan"),
         **{f"{split}_{key}": value for key, value in scores.items()},
         lr=run.optimizer.param_groups[0]["lr"], train_images=images, train_time_s=train_time,
-        images_per_s=images / train_time if images else 0.0, peak_mem_mib=peak_mib, mem_kind=mem_kind,
+        images_per_s=images / train_time if images else 0.0, eval_time_s=eval_time, peak_mem_mib=peak_mib,
+        mem_kind=mem_kind,
     )
     state["history"].append(record)
     accelerator.print(
         f"epoch {epoch + 1}: train loss {record['train_loss']:.4f}, {split} loss {scores['loss']:.4f}, "
         f"{split} acc {100 * scores['acc']:.2f}%, {record['images_per_s']:.0f} img/s, lr {record['lr']:.2e}, "
-        f"peak mem {peak_mib:.0f} MiB"
+        f"peak mem {peak_mib:.0f} MiB, {train_time:.1f} s training + {eval_time:.1f} s {split}"
     )
     check_finite_weights(run)
     if state["best_acc"] is None or scores["acc"] > state["best_acc"]:
