@@ -19,7 +19,7 @@ from visattn.tiled import TiledViT, tile_layout
 
 MODES = ("infer", "train")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TIMM = "timm"
+TIMM = visattn.models.TIMM_ATTENTION  # the stock timm ViT, the reference: one name with attn="timm"
 FLOOR = "floor"
 # timm's stock model at its own resolution, run on tiles of the image (visattn.tiled).
 TILED = "tiled"
