@@ -41,7 +41,7 @@ RECIPE = [
 ]
 FINAL = "step_00000018"
 # Values that measure time or the process, not the training.
-VARYING = {"train_time_s", "images_per_s", "peak_mem_mib", "wall_time_s", "partial_train_time"}
+VARYING = {"train_time_s", "eval_time_s", "images_per_s", "peak_mem_mib", "wall_time_s", "partial_train_time"}
 
 # scenario -> the kills in a row, each with the update the next run must resume from (the newest
 # checkpoint complete when it was killed).
