@@ -187,11 +187,12 @@ def test_ops_rows_from_doubling_to_the_ceiling(tmp_path):
 
 
 def test_model_rows_name_grid_and_image(tmp_path):
-    out = _run(["--attn", "linear", "--model-kwargs", "embed_dim=16", "depth=1", "num_heads=2", "patch_size=4",
-                "--num-classes", "10", "--modes", "train", "--max-memory", "1GiB", "--min-tokens", "64", "--max-tokens", "100",
-                "--device", "cpu", "--out", str(tmp_path)])
+    # --references timm: floor is a row of --attn here, after timm.
+    out = _run(["--attn", "linear", "floor", "--references", "timm", "--num-classes", "10", "--modes", "train",
+                "--model-kwargs", "embed_dim=16", "depth=1", "num_heads=2", "patch_size=4", "--max-memory", "1GiB",
+                "--min-tokens", "64", "--max-tokens", "100", "--device", "cpu", "--out", str(tmp_path)])
     rows = _read_csv(tmp_path / "maxlen.csv")
-    assert [(r["attn"], r["mode"]) for r in rows] == [("timm", "train"), ("floor", "train"), ("linear", "train")]
+    assert [(r["attn"], r["mode"]) for r in rows] == [("timm", "train"), ("linear", "train"), ("floor", "train")]
     for r in rows:  # 64 (8x8), then the ceiling 100 (10x10 patches of 4 px)
         assert (r["max_tokens"], r["grid"], r["img_size"], r["stopped_by"]) == ("100", "10x10", "40x40", "ceiling")
     assert "| `timm` | ≥ 100 | 10×10 (40×40 px) |" in out
@@ -210,6 +211,8 @@ def test_model_rows_name_grid_and_image(tmp_path):
         (["--ops", "--grad-checkpointing"], "--grad-checkpointing applies to the model's train mode"),
         (["--model-kwargs", "img_size=64"], "--model-kwargs cannot set img_size"),
         (["--attn", "linformer", "--attn-kwargs", "k=0"], "cannot build the rows at 256 tokens"),
+        (["--ops", "--references", "timm"], "--references: --ops takes softmax and softmax_explicit, got timm"),
+        (["--ops", "--attn", "floor", "--references"], "no rows: --attn leaves only floor"),
     ],
 )
 def test_argument_errors_are_one_line(capsys, argv, message):

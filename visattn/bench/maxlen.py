@@ -62,6 +62,9 @@ from visattn.layers import list_attentions
 from visattn.layers.options import options_per_type, parse_key_values
 
 COMMAND = "max-tokens"
+# The reference rows: timm's stock model and the model without token mixing; the fused op and its explicit twin.
+MODEL_REFERENCES = (TIMM, FLOOR)
+OP_REFERENCES = ("softmax", EXPLICIT_SOFTMAX)
 SUMMARY = "the largest token count each type runs forward and trains within a memory limit"
 DEFAULT_MAX_MEMORY = "16GiB"
 MB = 2**20
@@ -257,9 +260,9 @@ def run_trial(case: Case, grid: tuple[int, int], limit: int, timeout: float) -> 
         trial.message = f"process ended by signal {-code}" if code is not None and code < 0 else f"process exited with code {code}"
     finally:
         trial.seconds = time.perf_counter() - started
-        receiver.close()
         process.kill()
         process.join()
+        receiver.close()
     return trial
 
 
@@ -312,11 +315,12 @@ class Sweep:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        references = args.references
         if args.ops:
-            self.rows = ["softmax", EXPLICIT_SOFTMAX] + [a for a in args.attn if a not in ("softmax", FLOOR)]
+            self.rows = references + [a for a in args.attn if a not in references and a != FLOOR]
             self.patch = (1, 1)
         else:
-            self.rows = [TIMM, FLOOR] + [a for a in args.attn if a != FLOOR]
+            self.rows = references + [a for a in args.attn if a not in references]
             with torch.device("meta"):
                 model = timm.create_model(args.model, attn=FLOOR, num_classes=args.num_classes, **args.model_kwargs)
             self.patch = ViTShape.from_model(model).patch_size
@@ -384,7 +388,7 @@ def _stop_text(row: Row, patch: tuple[int, int], ops: bool) -> str:
         return f"error: {row.error}"
     if failing is None:
         return "fits at --max-tokens"
-    where = f"{failing.tokens:,} ({_grid_label(failing.grid, patch, ops)})"
+    where = f"{failing.tokens:,} tokens, {_grid_label(failing.grid, patch, ops)}"
     return {"oom": f"out of memory at {where}", "time": f"time limit at {where}"}.get(failing.status, where)
 
 
@@ -494,7 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", type=_bytes, default=DEFAULT_MAX_MEMORY, metavar="SIZE",
                    help="what a trial may allocate on top of its runtime: 16GiB, 512MiB, 4GB (a bare number is GiB)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="infer: forward; train: forward and backward")
-    p.add_argument("--attn", nargs="+", default=list_attentions(), help="attention types (timm and floor, or softmax and softmax_explicit, are added)")
+    p.add_argument("--attn", nargs="+", default=list_attentions(), help="attention types (and the --references rows)")
+    p.add_argument(
+        "--references", nargs="*", choices=[*MODEL_REFERENCES, *OP_REFERENCES],
+        help=f"rows before --attn; default: {' and '.join(MODEL_REFERENCES)} (model), {' and '.join(OP_REFERENCES)} (--ops)",
+    )
     p.add_argument("--attn-kwargs", type=_key_values, nargs="*", default=[], metavar="KEY=VALUE", help="type options, as in visattn-bench")
     p.add_argument("--model", default=DEFAULT_MODEL, help="visattn model (timm name)")
     p.add_argument("--timm-model", help="timm's stock reference model; default: --model without 'visattn_', with '_224'")
@@ -529,6 +537,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown attention(s) {', '.join(unknown)}; valid: {', '.join(list_attentions())}")
     args.attn = list(dict.fromkeys(args.attn))
+    allowed = list(OP_REFERENCES if args.ops else MODEL_REFERENCES)
+    args.references = allowed if args.references is None else list(dict.fromkeys(args.references))
+    if not set(args.references) <= set(allowed):
+        parser.error(f"--references: {'--ops' if args.ops else 'the model'} takes {' and '.join(allowed)}, got {' '.join(args.references)}")
     given = {key: value for words in args.attn_kwargs for key, value in words.items()}
     try:
         args.attn_kwargs, unused = options_per_type(args.attn, given)
@@ -570,6 +582,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(str(err))
     try:
         args.sweep = Sweep(args)
+        if not args.sweep.rows:
+            parser.error("no rows: --attn leaves only floor, which --ops does not run, and --references is empty")
         args.sweep.check(square_grid(args.min_tokens))
     except (ValueError, TypeError, RuntimeError) as err:  # timm: RuntimeError for an unknown model name
         parser.error(f"cannot build the rows at {args.min_tokens} tokens: {err}")
@@ -597,6 +611,16 @@ def run(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    # A terminated run unwinds like an interrupted one, so that run_trial ends the trial it waits for.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
