@@ -20,9 +20,9 @@ a memory cap, so that a trial over the limit fails alone and the search goes on:
   ``--max-memory``. It counts every private writable mapping (the heap, every tensor), so the kernel
   refuses the allocation that would cross the limit and the trial ends with "can't allocate memory",
   before the machine's memory is touched. ``RLIMIT_AS`` would also count the address space the
-  libraries reserve and never use (about 3.6 GB of a process that has imported torch and timm,
-  against 0.9 GB of data); measuring the peak RSS afterwards would let a trial take the memory first
-  and could not protect a machine shared with others.
+  libraries reserve and never use (3.4 GiB mapped by a process that has imported this module, 0.9 GiB
+  of it data); measuring the peak RSS afterwards would let a trial take the memory first and could
+  not protect a machine shared with others.
 * CUDA: ``torch.cuda.set_per_process_memory_fraction`` of ``--max-memory``; the caching allocator
   raises ``OutOfMemoryError`` beyond it.
 
