@@ -99,8 +99,8 @@ def search_largest(
 
     Doubles n from ``start`` (the last step capped at ``stop``) until ``fits`` is False, then bisects
     between the last n that fitted and the first that did not until they are at most
-    ``max(1, floor(tolerance * last fitting n))`` apart: ``tolerance=0`` finds the exact n in
-    ``log2(n / start) + 1`` doubling and ``log2(n)`` bisecting trials at most. A verdict of None
+    ``max(1, floor(tolerance * last fitting n))`` apart: ``tolerance=0`` finds the exact n in at most
+    ``floor(log2(n / start)) + 2`` doubling and ``ceil(log2(n))`` bisecting trials. A verdict of None
     (undecided) ends the search where it is.
     """
     if start < 1 or stop < start:
