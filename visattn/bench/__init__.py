@@ -29,6 +29,9 @@ Ops mode (``--ops``): the token mixing alone (each layer's ``mix`` on random q, 
 ViT-S) on grids of 512 to 32,768 tokens, at each ``--batch-size``, in the same harness, beside
 ``softmax_explicit`` (softmax with explicit N x N scores) and the seed table's claimed times.
 
+Max-tokens mode (``visattn-bench max-tokens``): the largest token count each type runs forward and
+trains (batch 1) within ``--max-memory``, by doubling and bisecting, one capped process per trial.
+
 The modules, in the order a run uses them:
 
 * :mod:`~visattn.bench.cli`: the command line, and the run from arguments to written reports;
@@ -42,8 +45,14 @@ The modules, in the order a run uses them:
 * :mod:`~visattn.bench.memory`: peak memory of a worker, and which workers fit the machine at once;
 * :mod:`~visattn.bench.ratios`: the ratios between rows, round by round, with their spread;
 * :mod:`~visattn.bench.report`: tables, CSV, plot, scaling exponents and crossovers;
+<<<<<<< HEAD
 * :mod:`~visattn.bench.targets`: the speed and memory targets and their check; the seed table's claimed times;
 * :mod:`~visattn.bench.calibrate`: the calibration of ``attn="auto"``.
+=======
+* :mod:`~visattn.bench.targets`: the seed table's claimed times;
+* :mod:`~visattn.bench.calibrate`: the calibration of ``attn="auto"``;
+* :mod:`~visattn.bench.maxlen`: the max-tokens mode, its search, capped trials and reports.
+>>>>>>> seqfsdp
 """
 from visattn._moved import moved_attributes
 from visattn.bench.cli import main

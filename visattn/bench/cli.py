@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from visattn.bench import maxlen
 from visattn.bench.calibrate import calibrate
 from visattn.bench.memory import capacity_bytes
 from visattn.bench.report import csv_rows, markdown_report, plot, summarize, write_csv
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="visattn-bench",
         description="Throughput and peak memory of the visattn attention types vs timm's fused softmax attention.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"visattn-bench {maxlen.COMMAND} [--help]: {maxlen.SUMMARY}.",
     )
     p.add_argument("--ops", action="store_true", help="time the attention ops alone (no model) on --grids")
     p.add_argument("--calibrate", action="store_true", help="also write the calibration of attn='auto' for --model")
@@ -221,5 +223,8 @@ def _verdict_summary(v: Verdict) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [maxlen.COMMAND]:
+        return maxlen.main(argv[1:])
     run(_parse(argv))
     return 0

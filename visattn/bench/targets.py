@@ -1,3 +1,4 @@
+<<<<<<< HEAD
 """The speed and memory targets of visattn, and the seed table's claimed times.
 
 :data:`TARGETS`: each target names a point of the model sweep (mode, square image size, batch size), a
@@ -12,6 +13,10 @@ the README from the summary and from their own runs.
 :data:`SEED_CLAIMS_MS`: the times the seed's table claims, which the ops benchmark (``visattn-bench --ops``)
 shows beside its own rows.
 """
+=======
+"""The seed's claims that the benchmark shows beside its own rows: the times of its table (``visattn-bench
+--ops``) and the longest sequence each kind of attention handles (``visattn-bench max-tokens``)."""
+>>>>>>> seqfsdp
 from __future__ import annotations
 
 import operator
@@ -176,6 +181,8 @@ SEED_CLAIMS_MS: dict[int, dict[str, float | None]] = {
     2048: {"standard": 1600.0, "sparse": 200.0, "linear": 100.0},
     8192: {"standard": None, "sparse": 800.0, "linear": 300.0},
 }
+# The seed's "maximum sequence length" of each kind of attention (tokens, "~" in the seed).
+SEED_MAX_TOKENS: dict[str, int] = {"standard": 1024, "sparse": 8192, "linear": 65536}
 SEED_CLAIM_OF_ROW = {
     "softmax": "standard",
     EXPLICIT_SOFTMAX: "standard",

@@ -65,9 +65,10 @@ class Timing:
 # The worker
 
 
-def _failure(err: BaseException) -> tuple[str, str]:
+def classify_failure(err: BaseException) -> tuple[str, str]:
+    """("oom" or "error", the error's first line) for an exception a worker caught."""
     text = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-    out_of_memory = isinstance(err, torch.OutOfMemoryError) or any(
+    out_of_memory = isinstance(err, (torch.OutOfMemoryError, MemoryError)) or any(
         s in str(err).lower() for s in ("out of memory", "can't allocate memory", "cannot allocate memory")
     )
     return ("oom" if out_of_memory else "error"), text
@@ -85,7 +86,7 @@ def _worker_main(conn: Any, case: Case) -> None:
             torch.cuda.synchronize(device)
         conn.send(("ready", runner.param_count, memory_bytes(device, peak=False)))
     except Exception as err:  # reported in the row, never a crash of the sweep
-        conn.send(("failed", *_failure(err)))
+        conn.send(("failed", *classify_failure(err)))
         return
     while True:
         request = conn.recv()
@@ -101,7 +102,7 @@ def _worker_main(conn: Any, case: Case) -> None:
                 torch.cuda.synchronize(device)
             conn.send(("time", time.perf_counter() - start))
         except Exception as err:
-            conn.send(("failed", *_failure(err)))
+            conn.send(("failed", *classify_failure(err)))
             return
 
 

@@ -7,10 +7,11 @@ import math
 import os
 from pathlib import Path
 
+import accelerate
 import torch
 import torch.nn as nn
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import ProjectConfiguration, broadcast_object_list
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, parse_flag_from_env
 from timm.data import Mixup
 from timm.optim import create_optimizer_v2, param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
@@ -39,7 +40,20 @@ def process_state() -> PartialState:
     return PartialState(cpu=launched_without_accelerator())
 
 
+def check_sharding() -> None:
+    """ConfigError for FSDP (``accelerate launch`` with an FSDP config sets ``ACCELERATE_USE_FSDP``) on a
+    machine without GPU or other accelerator: accelerate chooses FSDP only for accelerator processes and
+    would run CPU processes as plain data parallel (MULTI_CPU, every process holding the whole model),
+    silently, although torch's FSDP itself runs on CPU processes with gloo."""
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.accelerator.is_available():
+        raise ConfigError(
+            f"the FSDP config needs a GPU or other accelerator: on CPU processes accelerate {accelerate.__version__} "
+            "would train without sharding; launch without it (--multi_gpu for several processes)"
+        )
+
+
 def build_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
+    check_sharding()
     return Accelerator(
         cpu=launched_without_accelerator(),
         mixed_precision=config.mixed_precision,
