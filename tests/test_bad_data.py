@@ -281,7 +281,7 @@ def test_an_empty_class_folder_is_one_line_naming_it(tmp_path):
     with pytest.raises(DataError) as caught:
         load_splits(make_config({"dataset": "imagefolder", "data_dir": str(root)}))
     message = str(caught.value)
-    assert message.startswith(f"class folder(s) without an image file (.jpg, .jpeg, .png, ") and "\n" not in message
+    assert message.startswith("class folder(s) without an image file (.jpg, .jpeg, .png, ") and "\n" not in message
     assert message.endswith(f"): {root / 'train' / 'bats'}. Add images or remove the folder(s)")
 
 

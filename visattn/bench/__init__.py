@@ -45,14 +45,9 @@ The modules, in the order a run uses them:
 * :mod:`~visattn.bench.memory`: peak memory of a worker, and which workers fit the machine at once;
 * :mod:`~visattn.bench.ratios`: the ratios between rows, round by round, with their spread;
 * :mod:`~visattn.bench.report`: tables, CSV, plot, scaling exponents and crossovers;
-<<<<<<< HEAD
-* :mod:`~visattn.bench.targets`: the speed and memory targets and their check; the seed table's claimed times;
-* :mod:`~visattn.bench.calibrate`: the calibration of ``attn="auto"``.
-=======
-* :mod:`~visattn.bench.targets`: the seed table's claimed times;
+* :mod:`~visattn.bench.targets`: the speed and memory targets and their check; the seed's claims;
 * :mod:`~visattn.bench.calibrate`: the calibration of ``attn="auto"``;
 * :mod:`~visattn.bench.maxlen`: the max-tokens mode, its search, capped trials and reports.
->>>>>>> seqfsdp
 """
 from visattn._moved import moved_attributes
 from visattn.bench.cli import main

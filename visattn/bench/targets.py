@@ -1,4 +1,3 @@
-<<<<<<< HEAD
 """The speed and memory targets of visattn, and the seed table's claimed times.
 
 :data:`TARGETS`: each target names a point of the model sweep (mode, square image size, batch size), a
@@ -10,13 +9,10 @@ range straddles the threshold, the verdict says that the spread decided it (a re
 that are not a ratio at one point (the scaling exponents, the largest image that trains) are judged in
 the README from the summary and from their own runs.
 
-:data:`SEED_CLAIMS_MS`: the times the seed's table claims, which the ops benchmark (``visattn-bench --ops``)
-shows beside its own rows.
+The seed's claims, shown beside the benchmark's own rows: :data:`SEED_CLAIMS_MS`, the times of its table
+(``visattn-bench --ops``), and :data:`SEED_MAX_TOKENS`, the longest sequence it says each kind of attention
+handles (``visattn-bench max-tokens``).
 """
-=======
-"""The seed's claims that the benchmark shows beside its own rows: the times of its table (``visattn-bench
---ops``) and the longest sequence each kind of attention handles (``visattn-bench max-tokens``)."""
->>>>>>> seqfsdp
 from __future__ import annotations
 
 import operator
