@@ -24,6 +24,10 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     # visattn.ops.linear_attn: the blocked autograd function (non-causal), plain batched matmuls
     # (non-causal; what a compiler fuses), the chunked causal product (causal)
     "linear": ("blocked", "plain", "chunk"),
+    # visattn.ops.decayed_linear_attn: gradients by running the tiled product again (each gradient is one
+    # such product; training keeps only its inputs), or by autograd through the tiled product (what a
+    # compiled graph differentiates)
+    "decayed_linear": ("rerun", "autograd"),
     # the linear layer's qkv projection + mixing: fused block by block (inference), the blocked op on
     # the packed projection (training), or the projection split into heads, then linear_attn
     "linear_projection": ("fused_qkv", "packed", "split"),
@@ -89,6 +93,12 @@ def choose_linear_backend(causal: bool) -> str:
     if causal:
         return "chunk"
     return "plain" if torch.compiler.is_compiling() else "blocked"
+
+
+def choose_decayed_linear_backend() -> str:
+    """The product run again in the backward, except inside a compiled graph, which differentiates the
+    tiled product itself: the compiler does not trace the backward's forward-mode derivative."""
+    return "autograd" if torch.compiler.is_compiling() else "rerun"
 
 
 def choose_linear_projection_backend(causal: bool, has_qk_norm: bool) -> str:
