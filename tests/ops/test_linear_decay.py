@@ -185,8 +185,14 @@ def test_gradient_path_is_named_and_forced(caplog, monkeypatch):
     monkeypatch.setattr(backends, "_logged", set())
     caplog.set_level(logging.DEBUG, logger="visattn.ops.backends")
     q, k, v, gamma = _inputs(1, 2, (3, 4), 1, 4, torch.float32, GAMMAS["rmt"])
-    chosen = ops.decayed_linear_attn(q, k, v, gamma, (3, 4), 1)
+    several_tiles = ops.decayed_linear_attn(q, k, v, gamma, (3, 4), 1, tile_size=2)
     with force_backend("decayed_linear", "autograd"):
-        forced = ops.decayed_linear_attn(q, k, v, gamma, (3, 4), 1)
-    assert caplog.messages == ["decayed_linear: rerun backend (chosen)", "decayed_linear: autograd backend (forced)"]
-    torch.testing.assert_close(forced, chosen)
+        forced = ops.decayed_linear_attn(q, k, v, gamma, (3, 4), 1, tile_size=2)
+    one_tile = ops.decayed_linear_attn(q, k, v, gamma, (3, 4), 1, tile_size=4)
+    assert caplog.messages == [
+        "decayed_linear: rerun backend (chosen)",
+        "decayed_linear: autograd backend (forced)",
+        "decayed_linear: autograd backend (chosen)",
+    ]
+    torch.testing.assert_close(forced, several_tiles)
+    torch.testing.assert_close(one_tile, several_tiles)

@@ -30,7 +30,7 @@ training stores q, k, v and nothing of size N d^2 either.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,10 @@ class AxisDecay:
     def from_edges(self) -> torch.Tensor:
         """(G, t, 2): ``from_start`` and ``from_end``."""
         return torch.stack([self.from_start, self.from_end], dim=2)
+
+    def __getitem__(self, groups: slice) -> "AxisDecay":
+        """The decay of some of the groups."""
+        return AxisDecay(*(getattr(self, f.name)[groups] for f in fields(self)))
 
     @classmethod
     def build(cls, gamma: torch.Tensor, t: int, n: int) -> "AxisDecay":
@@ -171,17 +175,16 @@ def _other_tile_rows(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, rows: Ax
             state = summary if state is None else summary.addcmul_(state, rows.step[:, None, None, None])
 
 
-def _tiled_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, gamma: torch.Tensor, tile_size: int) -> torch.Tensor:
-    """:func:`decayed_product` for the G groups given at once."""
+def _tiled_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, rows: AxisDecay, cols: AxisDecay) -> torch.Tensor:
+    """:func:`decayed_product` for the G groups given at once, with the decay along their rows and columns."""
     _, height, width, _ = a.shape
-    th, tw = min(tile_size, height), min(tile_size, width)
-    n_rows, n_cols = -(-height // th), -(-width // tw)
+    th, tw = rows.local.shape[-1], cols.local.shape[-1]
+    n_rows, n_cols = rows.from_earlier.shape[-1], cols.from_earlier.shape[-1]
     # tile by tile, each tile's tokens contiguous; zero queries and keys on the padding add nothing
     a, b, c = (
         rearrange(F.pad(t, (0, 0, 0, n_cols * tw - width, 0, n_rows * th - height)), "g (I r) (J c) x -> g I J r c x", r=th, c=tw).contiguous()
         for t in (a, b, c)
     )
-    rows, cols = AxisDecay.build(gamma, th, n_rows), AxisDecay.build(gamma, tw, n_cols)
     tile_decay = rearrange(rows.local[:, :, None, :, None] * cols.local[:, None, :, None, :], "g r c s u -> g (r c) (s u)")
     out = [_same_tile_row(a[:, i], b[:, i], c[:, i], rows, cols, tile_decay) for i in range(n_rows)]
     for downward in (True, False):
@@ -201,11 +204,12 @@ def decayed_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, gamma: to
         (G, H, W, m), computed a few groups at a time so that a column state stays within
         :data:`STATE_ELEMENTS` values.
     """
-    groups, _, width, p = a.shape
-    tw = min(tile_size, width)
+    groups, height, width, p = a.shape
+    th, tw = min(tile_size, height), min(tile_size, width)
+    rows, cols = AxisDecay.build(gamma, th, -(-height // th)), AxisDecay.build(gamma, tw, -(-width // tw))
     per_group = -(-width // tw) * tw * p * c.shape[-1]
     step = items_per_piece(STATE_ELEMENTS.get(a.device.type, STATE_ELEMENTS_ELSEWHERE), per_group)
-    return torch.cat([_tiled_product(a[g], b[g], c[g], gamma[g], tile_size) for g in pieces(groups, step)])
+    return torch.cat([_tiled_product(a[g], b[g], c[g], rows[g], cols[g]) for g in pieces(groups, step)])
 
 
 class _DecayedProduct(torch.autograd.Function):
@@ -280,18 +284,19 @@ def decayed_linear_attn(
         tile_size: side of the grid tiles whose scores are computed explicitly; the result does not
             depend on it (up to rounding).
         backend: how the gradients are computed: ``"rerun"`` (the backward runs the tiled product again and
-            keeps only its inputs) or ``"autograd"`` (autograd through the tiled product, which keeps each
-            tile-row's intermediate states); None: chosen by
-            :func:`visattn.ops.backends.choose_decayed_linear_backend`.
+            keeps only its inputs) or ``"autograd"`` (autograd through the tiled product: about twice as fast,
+            but on a grid of several tiles it keeps each tile-row's intermediate states, about as much as a
+            d x d state per token and head); None: chosen by :func:`visattn.ops.backends.choose_decayed_linear_backend`.
     Returns:
         (B, heads, N, d) in v's dtype; computed in fp32 (fp64 for fp64 inputs), also under autocast.
     """
     check_qkv(q, k, v, _OP)
-    height, _ = check_grid(grid, q.shape[2], num_prefix_tokens, _OP)
+    height, width = check_grid(grid, q.shape[2], num_prefix_tokens, _OP)
     check_positive_int(tile_size, "tile_size", _OP)
     _check_gamma(gamma, q)
     phi = get_feature_map(feature_map)
-    name = select_backend("decayed_linear", backend, choose_decayed_linear_backend)
+    single_tile = height <= tile_size and width <= tile_size
+    name = select_backend("decayed_linear", backend, lambda: choose_decayed_linear_backend(single_tile))
     product = _DecayedProduct.apply if name == "rerun" else decayed_product
     dtype = torch.promote_types(v.dtype, torch.float32)
     batch, p = q.shape[0], num_prefix_tokens
