@@ -4,6 +4,7 @@ import logging
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers import assert_rms_close, grads_of
@@ -196,3 +197,32 @@ def test_gradient_path_is_named_and_forced(caplog, monkeypatch):
     ]
     torch.testing.assert_close(forced, several_tiles)
     torch.testing.assert_close(one_tile, several_tiles)
+
+
+class _LargestTensor(TorchFunctionMode):
+    """Records the largest number of values of any tensor a torch function returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_tensor_holds_a_state_per_token():
+    """Forward and backward on a grid of 3 x 3 tiles, the four (image, head) pairs taken at once: no tensor
+    holds half as many values as one d x (d + 1) state per token of a single head would (the states are per
+    grid column; the largest tensors are the explicit scores of a row of tiles)."""
+    batch, heads, grid, d = 2, 2, (48, 48), 32
+    n = grid[0] * grid[1]
+    q, k, v = (torch.randn(batch, heads, n, d, requires_grad=True) for _ in range(3))
+    gamma = torch.full((heads,), 0.9, requires_grad=True)
+    with _LargestTensor() as mode:
+        out = ops.decayed_linear_attn(q, k, v, gamma, grid, backend="rerun")
+        out.backward(torch.randn_like(out))
+    assert mode.largest < n * d * (d + 1) / 2
