@@ -19,7 +19,7 @@ from visattn.layers.decay import initial_decay_rates
 from visattn.ops._layout import merge_heads, split_qkv
 from visattn.train.cli import resolve_config
 
-DIM, HEADS = 24, 3
+DIM, HEADS = 24, 3  # head width 8: rope turns pairs of channels on two axes
 
 
 def _layer(**options):
@@ -30,7 +30,8 @@ def _naive_twin_output(layer, x, grid, prefix):
     """The layer's forward spelled out in fp64 with the naive op: the explicit N x N decay."""
     twin = copy.deepcopy(layer).double()
     q, k, v = split_qkv(twin.qkv(x.double()), HEADS)
-    out = ops.naive_decayed_linear_attn(q, k, v, twin.spatial_decay(), grid, prefix)
+    rope = None if twin.rope is None else twin.rope(grid, prefix, q)
+    out = ops.naive_decayed_linear_attn(q, k, v, twin.spatial_decay(), grid, prefix, rope=rope)
     merged = merge_heads(out)
     if twin.dwconv is not None:
         image = merge_heads(v)[:, prefix:].transpose(1, 2).reshape(x.shape[0], DIM, *grid)
@@ -39,11 +40,12 @@ def _naive_twin_output(layer, x, grid, prefix):
     return twin, twin.proj(merged)
 
 
+@pytest.mark.parametrize("rope", [None, "mixed"], ids=["no-rope", "rope-mixed"])
 @pytest.mark.parametrize("dwconv_kernel", [None, 3], ids=["no-dwconv", "dwconv3"])
 @pytest.mark.parametrize("grid, prefix, batch", [((5, 7), 0, 1), ((6, 4), 2, 3)], ids=["grid5x7-p0-B1", "grid6x4-p2-B3"])
-def test_layer_matches_its_naive_twin_with_gradients(grid, prefix, batch, dwconv_kernel):
+def test_layer_matches_its_naive_twin_with_gradients(grid, prefix, batch, dwconv_kernel, rope):
     torch.manual_seed(0)
-    layer = _layer(decay=[0.6, 0.95], dwconv_kernel=dwconv_kernel)
+    layer = _layer(decay=[0.6, 0.95], dwconv_kernel=dwconv_kernel, rope=rope)
     layer.set_grid(grid, prefix)
     x = torch.randn(batch, prefix + grid[0] * grid[1], DIM)
     twin, expected = _naive_twin_output(layer, x, grid, prefix)

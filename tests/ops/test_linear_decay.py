@@ -12,6 +12,7 @@ from visattn import ops
 from visattn.ops import backends
 from visattn.ops.backends import BACKENDS, force_backend
 from visattn.ops.linear import decay, decayed_linear_flops, manhattan_decay
+from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
 
 # (batch, heads, grid, prefix tokens, head_dim, tile): several tiles per axis with a partial last one, a
 # single row or column, a grid of one tile, and tiles of one cell
@@ -229,3 +230,33 @@ def test_no_tensor_holds_a_state_per_token():
         out = ops.decayed_linear_attn(q, k, v, gamma, grid, tile_size=8, backend="rerun")
         out.backward(torch.randn_like(out))
     assert mode.largest < n * d * (d + 1) / 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS["decayed_linear"])
+@pytest.mark.parametrize("mode", ["axial", "mixed"])
+def test_rope_turns_the_numerator_only(mode, backend):
+    """With a rope table, against the naive twin (explicit rotation matrices, explicit decay), outputs and
+    gradients, the mixed table's frequencies included; and the FLOP formula of the two products."""
+    batch, heads, grid, prefix, d = 3, 2, (5, 6), 1, 8
+    inputs = list(_inputs(batch, heads, grid, prefix, d, torch.float64, GAMMAS["rmt"]))
+    if mode == "mixed":
+        inputs.append(init_mixed_rope_freqs(d, heads, dtype=torch.float64))
+
+    def table(freqs=None):
+        return axial_rope(grid, d, prefix, dtype=torch.float64) if freqs is None else mixed_rope(freqs, grid, prefix)
+
+    out, grads = grads_of(
+        lambda q, k, v, g, *f: ops.decayed_linear_attn(q, k, v, g, grid, prefix, tile_size=2, backend=backend, rope=table(*f)),
+        *inputs,
+    )
+    ref, ref_grads = grads_of(
+        lambda q, k, v, g, *f: ops.naive_decayed_linear_attn(q, k, v, g, grid, prefix, rope=table(*f)), *inputs
+    )
+    assert_rms_close(out, ref, 1e-10, "out")
+    for name, g, g_ref in zip(["dq", "dk", "dv", "dgamma"], grads, ref_grads):
+        assert_rms_close(g, g_ref, 1e-10, name)
+    if mode == "mixed":  # mixed_rope computes its angles in fp32, and so their gradient
+        assert_rms_close(grads[4], ref_grads[4], 1e-6, "dfreqs")
+    with FlopCounterMode(display=False) as counter:
+        ops.decayed_linear_attn(*inputs[:4], grid, prefix, tile_size=2, rope=table(*inputs[4:]))
+    assert counter.get_total_flops() == batch * heads * decayed_linear_flops(grid, prefix, d, 2, rotated=True)

@@ -71,6 +71,10 @@ class SpatialDecay(nn.Module):
         with torch.no_grad():
             self.logit.copy_(torch.logit(initial_decay_rates(self.num_heads, self.init)))
 
+    def no_weight_decay(self) -> set[str]:
+        """Weight decay would pull every logit towards 0, every rate towards 1/2."""
+        return {"logit"}
+
     def forward(self) -> torch.Tensor:
         """The rates (num_heads,)."""
         return torch.sigmoid(self.logit)

@@ -40,6 +40,9 @@ class LinearAttention(GridAttention):
             heads at RMT's rates ``1 - 2 ** -(2 + 4 h / H)``; [first, last] from ``first`` to ``last`` with
             ``log(1 - gamma)`` evenly spaced (:class:`visattn.layers.decay.SpatialDecay`). Needs the grid;
             not causal.
+        rope: see :class:`visattn.layers.base.GridAttention`. Linear attention has no score matrix to rotate:
+            the op turns the features phi(q), phi(k) in the numerator only, and the normalizer keeps the
+            unrotated ones, so it stays positive (RoFormer's linear attention; :func:`visattn.ops.linear_attn`).
     """
 
     name = "linear"
@@ -84,11 +87,14 @@ class LinearAttention(GridAttention):
         if self.spatial_decay is not None:
             return super().project_and_mix(x, grid, attn_mask, is_causal)
         has_qk_norm = not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity))
+        rotated = self.rope is not None
         name = select_backend(
-            "linear_projection", None, lambda: choose_linear_projection_backend(is_causal, has_qk_norm)
+            "linear_projection", None, lambda: choose_linear_projection_backend(is_causal, has_qk_norm, rotated)
         )
         if name != "split" and is_causal:
             raise ValueError(f"linear: the {name!r} projection path is non-causal; is_causal=True needs 'split'")
+        if name != "split" and rotated:
+            raise ValueError(f"linear: the {name!r} projection path does not rotate; rope needs 'split'")
         if name == "fused_qkv":
             out, values = fused_qkv_linear_attn(
                 x, self.qkv.weight, self.qkv.bias, self.num_heads, self.feature_map,
@@ -107,17 +113,25 @@ class LinearAttention(GridAttention):
             raise ValueError("linear: is_causal=True cannot be combined with dwconv_kernel (the convolution sees later tokens)")
         if is_causal and self.spatial_decay is not None:
             raise ValueError("linear: is_causal=True cannot be combined with decay (it weighs keys on both sides of the query)")
+        rope = None if self.rope is None else self.rope(grid, self.num_prefix_tokens, q)
         if self.spatial_decay is not None:
             out = decayed_linear_attn(
-                q, k, v, self.spatial_decay(), grid, self.num_prefix_tokens, feature_map=self.feature_map
+                q, k, v, self.spatial_decay(), grid, self.num_prefix_tokens, feature_map=self.feature_map, rope=rope
             )
         else:
-            out = linear_attn(q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size)
+            out = linear_attn(
+                q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size, rope=rope
+            )
         if self.dwconv is None:
             return out
         # (B, N, C): a view when the op's output is token-major, a copy otherwise (the plain path)
         merged = self._add_locality(merge_heads(out), merge_heads(v), grid)
         return split_heads(merged, self.num_heads)
+
+    def rotate(self, q, k, grid) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unchanged: :meth:`mix` hands the rope table to the op, which rotates the features of the
+        numerator only."""
+        return q, k
 
     def _add_locality(self, out: torch.Tensor, values: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
         """Adds the depthwise convolution of the patch values over the grid to the patch outputs, in place.
@@ -141,10 +155,11 @@ class LinearAttention(GridAttention):
         with ``decay``, instead, the products of :func:`visattn.ops.linear.decayed_linear_flops` per head;
         plus ``2 M C k^2`` for the depthwise k x k convolution over the M patches (``dwconv_kernel``)."""
         n, c = layout.num_tokens, num_heads * head_dim
-        if check_decay_option(options["decay"], cls.name) is None:
+        if check_decay_option(options.get("decay"), cls.name) is None:
             flops = 2 * n * c * (2 * head_dim + 1)
         else:
-            flops = num_heads * decayed_linear_flops(layout.grid, layout.num_prefix_tokens, head_dim)
+            rotated = options.get("rope") is not None
+            flops = num_heads * decayed_linear_flops(layout.grid, layout.num_prefix_tokens, head_dim, rotated=rotated)
         kernel = options["dwconv_kernel"]
         if kernel:
             flops += 2 * layout.num_patches * c * kernel**2
@@ -161,7 +176,7 @@ class LinearAttention(GridAttention):
         (the feature maps' inputs, their grid copies, the numerators and normalizers)."""
         n, c = layout.num_tokens, num_heads * head_dim
         infer, train = n * c * act_bytes, 3 * n * c * act_bytes
-        if check_decay_option(options["decay"], cls.name) is not None:
+        if check_decay_option(options.get("decay"), cls.name) is not None:
             states = 6 * num_heads * layout.grid[1] * head_dim * (head_dim + 1)
             infer += (8 * n * (c + num_heads) + states) * 4
             train += 6 * n * (c + num_heads) * 4

@@ -87,12 +87,13 @@ def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def choose_linear_backend(causal: bool) -> str:
+def choose_linear_backend(causal: bool, rotated: bool = False) -> str:
     """Causal: the chunked product. Non-causal: the blocked autograd function, except inside a compiled
-    graph, where the plain matmuls let the compiler fuse the feature maps with their neighbours."""
+    graph, where the plain matmuls let the compiler fuse the feature maps with their neighbours, and with
+    a rope table (``rotated``), which only the plain matmuls apply."""
     if causal:
         return "chunk"
-    return "plain" if torch.compiler.is_compiling() else "blocked"
+    return "plain" if rotated or torch.compiler.is_compiling() else "blocked"
 
 
 def choose_decayed_linear_backend(single_tile: bool) -> str:
@@ -103,11 +104,12 @@ def choose_decayed_linear_backend(single_tile: bool) -> str:
     return "autograd" if single_tile or torch.compiler.is_compiling() else "rerun"
 
 
-def choose_linear_projection_backend(causal: bool, has_qk_norm: bool) -> str:
-    """Causal or compiled: split the projection and call the op. Without autograd, fuse the projection
-    with the mixing. With autograd and no q/k norm, run on the packed projection (its gradient comes
-    back in one piece); a q/k norm sits between projection and mixing, so then split."""
-    if causal or torch.compiler.is_compiling():
+def choose_linear_projection_backend(causal: bool, has_qk_norm: bool, rotated: bool = False) -> str:
+    """Causal, compiled or ``rotated`` (rope, which the op applies from a table of the split heads): split
+    the projection and call the op. Without autograd, fuse the projection with the mixing. With autograd
+    and no q/k norm, run on the packed projection (its gradient comes back in one piece); a q/k norm sits
+    between projection and mixing, so then split."""
+    if causal or rotated or torch.compiler.is_compiling():
         return "split"
     if not torch.is_grad_enabled():
         return "fused_qkv"

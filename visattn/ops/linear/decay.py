@@ -5,7 +5,9 @@ row_j| + |col_i - col_j|), one rate gamma_h per head::
 
     out_i = sum_j D_ij phi(q_i).phi(k_j) v_j / sum_j D_ij phi(q_i).phi(k_j)
 
-Prefix (class/register) tokens take no decay: D_ij = 1 when i or j is a prefix token.
+Prefix (class/register) tokens take no decay: D_ij = 1 when i or j is a prefix token. With a rope table,
+the numerator's phi(q_i).phi(k_j) is that of the rotated features, R phi(q_i).R phi(k_j), as in
+:func:`visattn.ops.linear_attn`; the normalizer keeps the unrotated ones.
 
 Exact, linear in the number of tokens, and without a d x d state per token. The decay is separable,
 D = Gamma_H (x) Gamma_W with Gamma_L[i, j] = gamma ** |i - j|, and along an axis cut into tiles of t
@@ -30,6 +32,7 @@ training stores q, k, v and nothing of size N d^2 either.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -42,6 +45,7 @@ from visattn.ops._pieces import items_per_piece, pieces
 from visattn.ops.backends import choose_decayed_linear_backend, select_backend
 from visattn.ops.linear.feature_maps import get_feature_map
 from visattn.ops.linear.plain import divide_by_last_column, with_ones_column
+from visattn.ops.rope import apply_rope, check_rope_table
 
 # Values of one (W, d, e + 1) column state, summed over the heads (and images) taken at once: this bounds
 # the working memory. Small on a CPU, where a state that stays in cache runs fastest (a 64 x 64 grid ran
@@ -270,6 +274,7 @@ def decayed_linear_attn(
     eps: float = 1e-6,
     tile_size: int = TILE_SIZE,
     backend: str | None = None,
+    rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Linear attention whose patch keys decay with their Manhattan distance to the query on the grid.
 
@@ -287,6 +292,9 @@ def decayed_linear_attn(
             keeps only its inputs) or ``"autograd"`` (autograd through the tiled product: about twice as fast,
             but on a grid of several tiles it keeps each tile-row's intermediate states, about as much as a
             d x d state per token and head); None: chosen by :func:`visattn.ops.backends.choose_decayed_linear_backend`.
+        rope: a rotation table, (N, 2 d) or (heads, N, 2 d) (:mod:`visattn.ops.rope`): the features are
+            turned in the numerator only; the normalizer, a second tiled product of width 1, keeps them
+            unturned, so it stays positive.
     Returns:
         (B, heads, N, d) in v's dtype; computed in fp32 (fp64 for fp64 inputs), also under autocast.
     """
@@ -294,31 +302,66 @@ def decayed_linear_attn(
     height, width = check_grid(grid, q.shape[2], num_prefix_tokens, _OP)
     check_positive_int(tile_size, "tile_size", _OP)
     _check_gamma(gamma, q)
+    if rope is not None:
+        check_rope_table(q, rope, _OP)
     phi = get_feature_map(feature_map)
     single_tile = height <= tile_size and width <= tile_size
     name = select_backend("decayed_linear", backend, lambda: choose_decayed_linear_backend(single_tile))
     product = _DecayedProduct.apply if name == "rerun" else decayed_product
     dtype = torch.promote_types(v.dtype, torch.float32)
-    batch, p = q.shape[0], num_prefix_tokens
     with torch.autocast(device_type=q.device.type, enabled=False):
-        qf, kf, vf = phi(q.to(dtype)), phi(k.to(dtype)), with_ones_column(v.to(dtype))
-        (q_pre, q_grid), (k_pre, k_grid), (v_pre, v_grid) = (split_prefix(t, p) for t in (qf, kf, vf))
-        as_groups = [rearrange(t, "b h (y x) e -> (b h) y x e", y=height) for t in (q_grid, k_grid, v_grid)]
-        num_den = product(*as_groups, gamma.to(dtype).repeat(batch), tile_size)
-        num_den = rearrange(num_den, "(b h) y x e -> b h (y x) e", b=batch)  # (B, heads, H W, e + 1)
-        if p:
-            prefix_kv = k_pre.transpose(-2, -1) @ v_pre  # (B, heads, d, e + 1)
-            all_kv = prefix_kv + k_grid.transpose(-2, -1) @ v_grid
-            num_den = torch.cat([q_pre @ all_kv, num_den + q_grid @ prefix_kv], dim=2)
+        qf, kf, vf = phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype)
+        gammas = gamma.to(dtype).repeat(q.shape[0])  # (B heads,): the rate of each (image, head)
+
+        def sums(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return _decayed_sums(a, b, c, gammas, height, num_prefix_tokens, tile_size, product)
+
+        if rope is None:
+            num_den = sums(qf, kf, with_ones_column(vf))
+        else:
+            rope = rope.to(dtype)
+            numerator = sums(apply_rope(qf, rope), apply_rope(kf, rope), vf)
+            num_den = torch.cat([numerator, sums(qf, kf, vf.new_ones(*vf.shape[:-1], 1))], dim=-1)
         out = divide_by_last_column(num_den, eps)
     return out.to(v.dtype)
 
 
-def decayed_linear_flops(grid: tuple[int, int], num_prefix_tokens: int, head_dim: int, tile_size: int = TILE_SIZE) -> int:
+def _decayed_sums(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    gammas: torch.Tensor,
+    height: int,
+    num_prefix_tokens: int,
+    tile_size: int,
+    product: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """``sum_j D_ij (a_i . b_j) c_j`` for all N tokens, the prefix tokens undecayed: a, b (B, heads, N, p),
+    c (B, heads, N, m) -> (B, heads, N, m); ``product`` computes the patch part."""
+    (a_pre, a_grid), (b_pre, b_grid), (c_pre, c_grid) = (split_prefix(t, num_prefix_tokens) for t in (a, b, c))
+    as_groups = [rearrange(t, "b h (y x) e -> (b h) y x e", y=height) for t in (a_grid, b_grid, c_grid)]
+    sums = rearrange(product(*as_groups, gammas, tile_size), "(b h) y x e -> b h (y x) e", b=a.shape[0])
+    if not num_prefix_tokens:
+        return sums
+    prefix_state = b_pre.transpose(-2, -1) @ c_pre  # (B, heads, p, m): the prefix keys, undecayed
+    all_state = prefix_state + b_grid.transpose(-2, -1) @ c_grid
+    return torch.cat([a_pre @ all_state, sums + a_grid @ prefix_state], dim=2)
+
+
+def decayed_linear_flops(
+    grid: tuple[int, int], num_prefix_tokens: int, head_dim: int, tile_size: int = TILE_SIZE, rotated: bool = False
+) -> int:
     """Forward FLOPs of :func:`decayed_linear_attn` for one head and one image: 2 per multiply-add of
-    every product it computes, the zero padding of partial tiles included."""
+    every product it computes, the zero padding of partial tiles included. ``rotated`` (a rope table): the
+    numerator's product on d values and the normalizer's on one, instead of one product on d + 1."""
+    if rotated:
+        return sum(_sums_flops(grid, num_prefix_tokens, head_dim, m, tile_size) for m in (head_dim, 1))
+    return _sums_flops(grid, num_prefix_tokens, head_dim, head_dim + 1, tile_size)
+
+
+def _sums_flops(grid: tuple[int, int], num_prefix_tokens: int, d: int, m: int, tile_size: int) -> int:
+    """FLOPs of :func:`_decayed_sums` with keys of width d and values of width m."""
     height, width = grid
-    d, m = head_dim, head_dim + 1
     th, tw = min(tile_size, height), min(tile_size, width)
     n_rows, n_cols = -(-height // th), -(-width // tw)
     tile = th * tw

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from visattn.ops.linear.feature_maps import get_feature_map
+from visattn.ops.rope import naive_apply_rope
 
 
 def manhattan_decay(gamma: torch.Tensor, grid: tuple[int, int], num_prefix_tokens: int = 0) -> torch.Tensor:
@@ -34,9 +35,18 @@ def naive_decayed_linear_attn(
     num_prefix_tokens: int = 0,
     feature_map: str = "elu",
     eps: float = 1e-6,
+    rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Naive twin of :func:`visattn.ops.decayed_linear_attn`: ``phi(q) phi(k)^T`` (B, heads, N, N) times
-    :func:`manhattan_decay`, spelled out, then normalised by its row sums. Computed in q's dtype."""
+    :func:`manhattan_decay`, spelled out, then normalised by its row sums. With a ``rope`` table the
+    numerator's weights are those of the rotated features, ``R phi(q) (R phi(k))^T``, times the decay, and
+    the row sums stay those of the unrotated ones. Computed in q's dtype."""
     phi = get_feature_map(feature_map)
-    weights = (phi(q) @ phi(k).transpose(-2, -1)) * manhattan_decay(gamma.to(q.dtype), grid, num_prefix_tokens)
-    return (weights @ v) / weights.sum(dim=-1, keepdim=True).clamp_min(eps)
+    phi_q, phi_k = phi(q), phi(k)
+    decay = manhattan_decay(gamma.to(q.dtype), grid, num_prefix_tokens)  # (heads, N, N)
+    weights = (phi_q @ phi_k.transpose(-2, -1)) * decay
+    if rope is None:
+        numerator = weights
+    else:
+        numerator = (naive_apply_rope(phi_q, rope) @ naive_apply_rope(phi_k, rope).transpose(-2, -1)) * decay
+    return (numerator @ v) / weights.sum(dim=-1, keepdim=True).clamp_min(eps)
