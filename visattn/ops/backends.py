@@ -24,6 +24,10 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     # visattn.ops.linear_attn: the blocked autograd function (non-causal), plain batched matmuls
     # (non-causal; what a compiler fuses), the chunked causal product (causal)
     "linear": ("blocked", "plain", "chunk"),
+    # visattn.ops.decayed_linear_attn: gradients by running the tiled product again (each gradient is one
+    # such product; training keeps only its inputs), or by autograd through the tiled product (faster; on a
+    # grid of several tiles it keeps about as much as a d x d state per token and head)
+    "decayed_linear": ("rerun", "autograd"),
     # the linear layer's qkv projection + mixing: fused block by block (inference), the blocked op on
     # the packed projection (training), or the projection split into heads, then linear_attn
     "linear_projection": ("fused_qkv", "packed", "split"),
@@ -90,6 +94,14 @@ def choose_linear_backend(causal: bool, rotated: bool = False) -> str:
     if causal:
         return "chunk"
     return "plain" if rotated or torch.compiler.is_compiling() else "blocked"
+
+
+def choose_decayed_linear_backend(single_tile: bool) -> str:
+    """Autograd through the tiled product where what it keeps is small, on a grid of a single tile (its
+    N x N scores, N at most the tile's area), and inside a compiled graph (the compiler does not trace the
+    rerun's forward-mode derivative); elsewhere the product run again in the backward, which keeps no
+    d x d state per token."""
+    return "autograd" if single_tile or torch.compiler.is_compiling() else "rerun"
 
 
 def choose_linear_projection_backend(causal: bool, has_qk_norm: bool, rotated: bool = False) -> str:
