@@ -2,6 +2,7 @@
 their spread, the targets check, and attn='auto' by batch size."""
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -10,6 +11,8 @@ import pytest
 import timm
 
 from visattn.bench import cli, memory, targets
+from visattn.bench import calibrate as calibrate_module
+from visattn.bench import timing as timing_module
 from visattn.bench.ratios import Spread, per_round_ratios, rate_ratio, spread
 from visattn.bench.sweep import Case, Result
 from visattn.bench.targets import OTHER_TYPES, Target, check_targets
@@ -168,6 +171,28 @@ def test_groups_that_fit_put_floor_in_every_group():
     assert [len(g) for g in memory.groups_that_fit(rows, 100, shared=[rows[1]])] == [2, 2, 2, 2]
 
 
+def test_a_floor_that_failed_in_one_group_is_not_started_again(monkeypatch):
+    rows = [_result(attn, {}) for attn in ("timm", "floor", "linear", "axial", "sparse")]
+    for r in rows:
+        r.estimate_bytes = 100 - memory.RUNTIME_BYTES
+    measured = []
+
+    def measure_group(group, timing, progress):
+        measured.append([r.case.attn for r in group])
+        for r in group:
+            r.status = "oom" if r.case.attn == "floor" else r.status
+
+    monkeypatch.setattr(timing_module, "_measure_group", measure_group)
+    timing_module.measure(rows, timing=None, max_memory=10**9, capacity=300, progress=_NoProgress())
+    assert measured == [["timm", "floor", "linear"], ["axial", "sparse"]]
+    assert rows[1].status == "oom"
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+
 # ---------------------------------------------------------------------------------------------------
 # The targets check: synthetic timings
 
@@ -311,6 +336,18 @@ def test_a_calibration_run_adds_its_batches_within_one_setting(tmp_path, monkeyp
     stored = json.loads(auto.calibration_path().read_text())["models"]["visattn_vit_small_patch16"]
     assert sorted(stored["batches"]) == ["4"] and stored["dtype"] == "bf16"
 
+
+
+def test_calibration_falls_back_to_inference_where_no_training_row_ran(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = argparse.Namespace(modes=["infer", "train"], model="visattn_vit_small_patch16", device="cpu", dtype="fp32")
+    failed = _result("linear", {0: 0.5}, mode="train")
+    failed.status = "oom"
+    rows = [_result("softmax", {0: 1.0}), _result("linear", {0: 2.0}), failed]
+    written = calibrate_module.calibrate(rows, args)
+    assert written["mode"] == "infer" and written["batches"] == {"1": {"thresholds": [[0, "softmax"]], "tokens": [4, 4]}}
+    with pytest.raises(ValueError, match="^no row ran: nothing to calibrate from$"):
+        calibrate_module.calibrate([failed], args)
 
 def test_a_calibration_file_of_another_version_is_ignored_then_replaced(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

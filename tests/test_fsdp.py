@@ -84,6 +84,7 @@ def test_every_block_is_an_fsdp_unit_and_the_model_computes_the_same(launch_envi
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="the refusal is for machines without an accelerator")
 def test_train_refuses_fsdp_without_an_accelerator(launch_environment, tmp_path):
     config = make_config({"run_dir": str(tmp_path / "run")})
     with pytest.raises(ConfigError, match=r"^the FSDP config needs a GPU or other accelerator: .* would train without sharding"):

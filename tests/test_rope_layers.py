@@ -217,6 +217,13 @@ def test_mixed_rope_frequencies_are_kept_out_of_weight_decay(opt_kwargs):
     scales = {group.get("lr_scale", 1.0) for group in optimizer.param_groups}
     assert (len(scales) > 1) == ("layer_decay" in opt_kwargs)
 
+
+def test_layer_decay_settings_without_layer_decay_are_refused():
+    model = timm.create_model("visattn_vit_tiny_patch16", attn="softmax", img_size=32, patch_size=8, depth=1, embed_dim=32, num_heads=2)
+    config = TrainConfig(opt_kwargs={"layer_decay_min_scale": 0.1})
+    with pytest.raises(ConfigError, match="^opt_kwargs: layer_decay_min_scale without layer_decay has no effect; "):
+        build_optimizer(config, model)
+
 def test_bench_command_line_takes_rope_and_checks_it_before_measuring():
     common = ["--attn-kwargs", "rope=axial", "--sizes", "32", "--model", "visattn_vit_tiny_patch16"]
     args = _parse(["--attn", "softmax", "floor", *common])

@@ -20,12 +20,14 @@ def seconds_per_image(results: list[Result], mode: str) -> dict[int, dict[int, d
 
 
 def calibrate(results: list[Result], args: argparse.Namespace) -> dict[str, Any]:
-    """Write the thresholds of ``attn="auto"`` from this sweep, per batch size: training steps if measured,
-    else inference. Returns where, and per batch size the thresholds and the token range measured."""
-    mode = "train" if "train" in args.modes else "infer"
-    batches = {b: calibration_from_timings(t) for b, t in seconds_per_image(results, mode).items()}
+    """Write the thresholds of ``attn="auto"`` from this sweep, per batch size: from the training steps where
+    any training row ran, else from inference. Returns where, and per batch size the thresholds and the token
+    range measured."""
+    timings = {mode: seconds_per_image(results, mode) for mode in ("train", "infer")}
+    mode = "train" if timings["train"] else "infer"
+    batches = {b: calibration_from_timings(t) for b, t in timings[mode].items()}
     if not batches:
-        raise ValueError(f"no {mode} row ran: nothing to calibrate from")
+        raise ValueError("no row ran: nothing to calibrate from")
     path = save_calibration(args.model, batches, {"mode": mode, "device": args.device, "dtype": args.dtype})
     return {
         "path": str(path),

@@ -44,6 +44,7 @@ from visattn.bench.sweep import FLOOR, Case, Result
 # Serials of the timed rounds, unique in this process: steps of one round, and only they, share one.
 _ROUND_SERIALS = itertools.count()
 
+
 @dataclass(frozen=True)
 class Timing:
     """When a row has been timed enough (see the module docstring)."""
@@ -211,7 +212,8 @@ def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None
     while pending := [w for w in live if timing.needs_more(w.timed)]:
         rounds += 1
         progress.set_description(f"{label} round {rounds}")
-        # floor steps in every round, so that every row's ratio to it has as many rounds as the row
+        # floor steps in every round, so that every row's ratio to it has as many rounds as the row; the
+        # rounds go on while any row, floor included, needs more steps
         run_round([w for w in live if w in pending or w.result.case.attn == FLOOR], timed=True)
     for w in live:
         reply = w.ask("finish")
@@ -230,6 +232,8 @@ def measure(results: list[Result], timing: Timing, max_memory: int, capacity: in
     progress.update(len(results) - len(runnable))
     shared = [r for r in runnable if r.case.attn == FLOOR]
     for group in groups_that_fit(runnable, capacity, shared):
-        _measure_group(group, timing, progress)
+        # A floor that failed in an earlier group is not started again: its failure stands for the point
+        # (the report shows it), and rows of later groups get no ratio to floor.
+        _measure_group([r for r in group if r.status == "ok" or r not in shared], timing, progress)
         progress.update(len(group) - len(shared))
     progress.update(len(shared))

@@ -119,6 +119,9 @@ def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimi
     per layer) but with every name of :func:`no_weight_decay_names` kept out of weight decay."""
     kwargs = dict(config.opt_kwargs)
     layer_decay = {key: kwargs.pop(key) for key in ("layer_decay", "layer_decay_min_scale", "layer_decay_no_opt_scale") if key in kwargs}
+    if layer_decay.get("layer_decay") is None and len(layer_decay) > ("layer_decay" in layer_decay):
+        extra = sorted(key for key in layer_decay if key != "layer_decay")
+        raise ConfigError(f"opt_kwargs: {', '.join(extra)} without layer_decay has no effect; give layer_decay too, or drop it")
 
     def param_groups(module: nn.Module) -> list[dict]:
         names = no_weight_decay_names(module)
