@@ -312,8 +312,9 @@ def test_auto_chooses_with_the_nearest_calibrated_batch(tmp_path, monkeypatch, c
         f"{auto.calibration_path()} measured: batch 64 (calibrated: batch 1, 16); 4096 patch tokens (measured at "
         "batch 16: 196 to 1024)"
     ]
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
-        select("visattn_vit_small_patch16", (224, 224), batch_size=0)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"^batch_size must be an int >= 1, got {bad!r}$"):
+            select("visattn_vit_small_patch16", (224, 224), batch_size=bad)
 
 
 def test_the_built_in_defaults_say_when_they_extrapolate(tmp_path, monkeypatch, caplog):

@@ -229,8 +229,8 @@ def select_attention(
     is one, else :data:`DEFAULT_CALIBRATION`. The choice is logged at INFO level; a batch size or token
     count outside the range the calibration measured is logged as a WARNING.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     tokens = num_patch_tokens(model_name, img_size, patch_size)
     path = calibration_path()
     batches = _calibrated(model_name, path)

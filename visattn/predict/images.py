@@ -46,7 +46,9 @@ def find_images(paths: list[str | Path]) -> tuple[list[str], list[tuple[str, str
 
 def to_rgb(image: Image.Image) -> Image.Image:
     """``image`` as 8-bit RGB. Pillow converts every mode (grey, palette, CMYK, alpha, ...) but clips 16-bit grey
-    levels to 255, so that all but the darkest pixels turn white; those are scaled instead (0-65535 to 0-255)."""
+    levels to 255, so that all but the darkest pixels turn white; those are scaled instead (0-65535 to 0-255).
+    Mode ``I`` (32-bit integers) is read as 16-bit levels too, as the formats that widen 16-bit grey store
+    it; values outside 0-65535 saturate."""
     if image.mode not in SIXTEEN_BIT_MODES:
         return image.convert("RGB")
     levels = np.asarray(image, dtype=np.float64)  # (H, W)
