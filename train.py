@@ -54,7 +54,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     auto = config.attn == "auto"
     for notice in resolve_attention(config):
         accelerator.print(notice)
-    splits = load_data(accelerator, config, options.download)
+    splits, image_check = load_data(accelerator, config, options.download)
     set_seed(config.seed)  # the same initial weights on every process
     model = build_model(config, splits.num_classes)
     model_kwargs = config.model_kwargs_for_timm(splits.num_classes)
@@ -83,7 +83,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     selection_split, selection_loader = ("test", eval_loader) if val_loader is None else ("val", accelerator.prepare(val_loader))
     overview = run_overview(
         config, splits, accelerator.unwrap_model(model), accelerator.num_processes, len(train_loader), auto, run_dir,
-        accelerator.device,
+        accelerator.device, image_check,
     )
     accelerator.print("\n".join(overview))
     initial_eval = None
@@ -100,7 +100,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         accelerator=accelerator, config=config, run_dir=run_dir, model=model, optimizer=optimizer,
         scheduler=scheduler, criterion=build_criterion(config, mixup), mixup=mixup,
         train_loader=train_loader, eval_loader=eval_loader, state=new_trainer_state(accelerator.num_processes),
-        selection_loader=selection_loader, selection_split=selection_split,
+        selection_loader=selection_loader, selection_split=selection_split, skipped_images=image_check.unreadable,
     )
     if initial_eval is not None:
         run.state["initial_eval_acc"] = initial_eval["acc"]
@@ -111,6 +111,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         accelerator.print(f"resumed from {resume_from} (epoch {state['epoch'] + 1}, batch {state['batch']}, update {state['update']})")
         if main:  # only now that the checkpoint has loaded into this config's model
             write_run_files(run_dir, config, model_kwargs, splits)
+            ckpt.remove_leftovers(run_dir)  # a run killed in its last save or prune has no later save to do it
     scheduler.step_update(run.state["update"])
     if main:
         run_log.write_metrics(run_dir, run.state["history"])  # a resumed run redoes what came after its checkpoint

@@ -107,7 +107,7 @@ def test_sweep_markdown_plot_and_summary(sweep):
     assert stdout.startswith("# visattn-bench: visattn_vit_small_patch16 vs timm vit_small_patch16_224")
     for heading in ("## Inference (forward)", "## Training step", "## Scaling exponents", "## Crossover"):
         assert heading in stdout
-    assert "| attn | img | tokens | images/s | ms/step | GFLOPs/img |" in stdout
+    assert "| attn | img | tokens | images/s | tokens/s | ms/step | GFLOPs/img |" in stdout
     assert (out / "bench.md").read_text().strip() == stdout.split("calibration for")[0].strip()
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "bench_summary.json").read_text())
@@ -119,8 +119,9 @@ def test_calibrate_writes_what_auto_reads(sweep, monkeypatch):
     _, cache, _ = sweep
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     entry = json.loads(auto.calibration_path().read_text())["models"]["visattn_vit_small_patch16"]
-    assert entry["mode"] == "train"
-    assert entry["thresholds"][0] == [0, "linear"]  # floor is never chosen and timm is not a visattn type
+    assert entry["mode"] == "train" and list(entry["batches"]) == ["1"]
+    # floor is never chosen and timm is not a visattn type; 1024 px was skipped, so 4 to 16 tokens were measured
+    assert entry["batches"]["1"]["thresholds"][0] == [0, "linear"] and entry["batches"]["1"]["tokens"] == [4, 16]
     assert auto.select_attention("visattn_vit_small_patch16", (64, 64)) == "linear"
 
 
@@ -208,6 +209,32 @@ def test_references_can_leave_timm_out(tmp_path):
     assert all(r["infer_speedup_vs_timm"] == "" and float(r["infer_pct_of_floor"]) > 0 for r in rows)
     with open(tmp_path / "bench_summary.json") as f:
         assert json.load(f)["crossover"] == {}
+
+
+def test_tiled_reference_row_runs_timm_on_tiles(tmp_path):
+    """The tiled row: timm's model built at the tile size, with timm's parameters, once per tile: 9 tiles of 2x2
+    patches overlapping by one patch on a 4x4 grid, the head once per image."""
+    stdout = _run(["--attn", "linear", "--sizes", "64", "--modes", "infer", "--references", "timm", "tiled",
+                   "--tile", "32", "--tile-overlap", "16", "--out", str(tmp_path)] + TINY_MODEL + FAST)
+    assert "tiled: timm vit_small_patch16_224 at 32x32 px on tiles of the image overlapping by at least 16 px" in stdout
+    timm_row, tiled, _ = rows = _read_csv(tmp_path / "bench.csv")
+    assert [(r["attn"], r["tokens"], r["infer_status"]) for r in rows] == [
+        ("timm", "16", "ok"), ("tiled", "16", "ok"), ("linear", "16", "ok")
+    ]
+    assert tiled["model"] == "vit_small_patch16_224" and tiled["param_count"] == timm_row["param_count"]
+    tile_model = timm.create_model("vit_small_patch16_224", img_size=32, embed_dim=32, depth=1, num_heads=2, num_classes=10)
+    per_tile = vit_flops(ViTShape.from_model(tile_model), (32, 32), "softmax", {})
+    head = 2 * 32 * 10  # embed_dim x num_classes
+    assert float(tiled["infer_gflops"]) * 1e9 == pytest.approx(9 * (per_tile - head) + head, rel=1e-3)
+
+
+def test_tiled_reference_refuses_sizes_it_cannot_cut(capsys):
+    for argv in (["--sizes", "32", "--tile", "64"], ["--sizes", "64", "--tile", "32", "--tile-overlap", "8"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv + ["--references", "tiled", "--device", "cpu"] + TINY_MODEL)
+    err = capsys.readouterr().err
+    assert "--references tiled: image size 32x32: image height 32 px is smaller than the tile height 64 px" in err
+    assert "--references tiled: image size 64x64: overlap height must be a multiple of the patch size 16 px" in err
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -435,6 +462,12 @@ def test_thresholds_from_timings_switch_halfway_between_sizes():
         auto.thresholds_from_timings({196: {"floor": 0.1}})
 
 
+def _save(model: str, thresholds: dict[int, list[tuple[int, str]]], tokens: tuple[int, int] = (1, 10**6), **details) -> None:
+    """A calibration of ``model`` with ``thresholds`` per batch size, measured over ``tokens``."""
+    batches = {b: auto.BatchCalibration(tuple(t), tokens) for b, t in thresholds.items()}
+    auto.save_calibration(model, batches, {"mode": "train", "device": "cpu", "dtype": "fp32"} | details)
+
+
 def test_select_attention_defaults_without_calibration(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert auto.calibration_path() == tmp_path / "visattn" / "calibration.json"
@@ -449,8 +482,8 @@ def test_select_attention_defaults_without_calibration(tmp_path, monkeypatch, ca
 
 def test_select_attention_uses_the_calibration(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    auto.save_calibration("visattn_vit_small_patch16", [(0, "axial"), (600, "neighborhood")], {"mode": "train"})
-    auto.save_calibration("visattn_vit_tiny_patch16", [(0, "linformer")], {"mode": "infer"})
+    _save("visattn_vit_small_patch16", {1: [(0, "axial"), (600, "neighborhood")]}, mode="train")
+    _save("visattn_vit_tiny_patch16", {1: [(0, "linformer")]}, mode="infer")
     with caplog.at_level(logging.INFO, logger="visattn.models.auto"):
         assert auto.select_attention("visattn_vit_small_patch16", (224, 224)) == "axial"  # 196 tokens
         assert auto.select_attention("visattn_vit_small_patch16", (512, 384)) == "neighborhood"  # 768 tokens
@@ -461,7 +494,7 @@ def test_select_attention_uses_the_calibration(tmp_path, monkeypatch, caplog):
 
 def test_unusable_calibration_falls_back_to_defaults(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    auto.save_calibration("visattn_vit_small_patch16", [(0, "no_such_type")], {})
+    _save("visattn_vit_small_patch16", {1: [(0, "no_such_type")]})
     with caplog.at_level(logging.WARNING, logger="visattn.models.auto"):
         assert auto.select_attention("visattn_vit_small_patch16", (224, 224)) == auto.DEFAULT_THRESHOLDS[0][1]
     assert "unknown attention type(s) no_such_type" in caplog.text
@@ -471,7 +504,7 @@ def test_unusable_calibration_falls_back_to_defaults(tmp_path, monkeypatch, capl
 
 def test_auto_model_builds_the_selected_type(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    auto.save_calibration("visattn_vit_small_patch16", [(0, "softmax"), (10, "axial")], {})
+    _save("visattn_vit_small_patch16", {1: [(0, "softmax"), (10, "axial")]})
     kwargs = dict(embed_dim=32, depth=1, num_heads=2, num_classes=10)
     small = timm.create_model("visattn_vit_small_patch16", attn="auto", img_size=32, **kwargs)  # 4 tokens
     large = timm.create_model("visattn_vit_small_patch16", attn="auto", img_size=64, **kwargs)  # 16 tokens

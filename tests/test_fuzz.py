@@ -567,7 +567,10 @@ def _naive_mix(layer: GridAttention) -> Callable[..., torch.Tensor]:
         if name == "floor":
             return v
         if name == "linear":
-            out = ops.naive_linear_attn(q, k, v, layer.feature_map, causal=is_causal)
+            if layer.spatial_decay is None:
+                out = ops.naive_linear_attn(q, k, v, layer.feature_map, causal=is_causal)
+            else:
+                out = ops.naive_decayed_linear_attn(q, k, v, layer.spatial_decay(), grid, p, layer.feature_map)
             if layer.dwconv is None:
                 return out
             b, h = v.shape[:2]
@@ -659,7 +662,7 @@ def layer_calls(draw, name: str) -> LayerCall:
     shape = draw(shapes())
     options = LAYER_OPTIONS.get(name, lambda draw: {})(draw)
     causal_ok = name == "softmax" or (name == "linear" and options["dwconv_kernel"] is None)
-    return LayerCall(
+    call = LayerCall(
         name,
         shape,
         options,
@@ -671,6 +674,9 @@ def layer_calls(draw, name: str) -> LayerCall:
         draw(faults(LAYER_FAULTS)),
         draw(st.integers(0, 2**16)),
     )
+    if name == "linear" and not call.causal:  # the spatial decay is not causal
+        options["decay"] = draw(st.sampled_from([None, True, [0.2, 0.99]]))
+    return call
 
 
 def _layer_call(c: LayerCall) -> Call:

@@ -11,14 +11,14 @@ import timm
 import torch
 import torch.nn as nn
 from timm.layers import Attention
-from timm.models.vision_transformer import ParallelScalingBlock
+from timm.models.vision_transformer import ParallelScalingBlock, VisionTransformer
 
 import visattn
 from tests.helpers import assert_rms_close
 from visattn.layers import GridAttention
 from visattn.layers.cost import MixingMemory
 from visattn.layers.registry import ATTENTION_LAYERS
-from visattn.models import MODEL_SHAPES, PatchGridHook
+from visattn.models import MODEL_SHAPES, TIMM_ATTENTION, PatchGridHook, create_model
 from visattn.models.convert import CARRIED_MODULES
 
 MODEL_NAMES = list(MODEL_SHAPES)
@@ -343,13 +343,32 @@ def test_options_reach_the_layer():
         (dict(attn=["linear", "softmax"], attn_kwargs={"dwconv_kernel": 3}), "under the type's name"),
         (dict(attn=["linear", "softmax"], attn_kwargs={"linear": 3}), "under the type's name"),
         (dict(attn="linear", attn_layer=Attention), "attn="),
+        (dict(attn="timm", attn_kwargs={"dwconv_kernel": 3}), "timm's Attention, which takes no attention options"),
+        (dict(attn=["timm", "linear"]), "unknown attention 'timm'"),
     ],
     ids=["unknown-name", "list-too-short", "list-too-long", "list-not-names", "unknown-option",
-         "contract-arg-as-option", "hybrid-flat-options", "hybrid-options-not-dict", "attn_layer"],
+         "contract-arg-as-option", "hybrid-flat-options", "hybrid-options-not-dict", "attn_layer", "timm-with-options",
+         "timm-per-block"],
 )
 def test_bad_input_raises_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         tiny(**kwargs)
+
+
+@pytest.mark.parametrize("model_name", ["visattn_vit_tiny_patch16", "vit_tiny_patch16_224"])
+def test_attn_timm_is_the_stock_timm_vit(model_name):
+    """attn="timm" keeps timm's own Attention: the model timm builds, weight for weight and output for output."""
+    assert TIMM_ATTENTION not in visattn.list_attentions()  # a reserved name, never a registered type
+    torch.manual_seed(3)
+    model = create_model(model_name, attn=TIMM_ATTENTION, **TINY).eval()
+    torch.manual_seed(3)
+    stock = VisionTransformer(**TINY).eval()
+    assert all(type(block.attn) is Attention for block in model.blocks)
+    assert not any(isinstance(module, GridAttention) for module in model.modules())
+    assert not model.patch_embed._forward_hooks  # no grid hook: nothing needs the grid
+    assert model.state_dict().keys() == stock.state_dict().keys()
+    with torch.no_grad():
+        assert torch.equal(model(images()), stock(images()))
 
 
 @pytest.mark.parametrize("attn, attn_kwargs", ATTN_CASES)

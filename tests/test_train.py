@@ -98,6 +98,7 @@ def test_tiny_run_writes_config_metrics_plot_and_checkpoints(tiny_run):
     for record in records:
         assert record["val_samples"] == 50 and record["train_images"] == 96
         assert record["images_per_s"] > 0 and record["peak_mem_mib"] > 0 and record["lr"] > 0
+        assert record["images_per_s"] == record["train_images"] / record["train_time_s"] and record["eval_time_s"] > 0
         assert 0 <= record["val_acc"] <= 1 and record["train_loss"] > 0
         assert not any(key.startswith("test_") for key in record)  # the test split is not looked at every epoch
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -171,8 +172,8 @@ def test_resume_after_sigkill_mid_epoch_matches_uninterrupted_run(tmp_path):
     resumed = run_train(*recipe, "--run-dir", str(killed), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {latest}" in resumed.stdout
-    assert_same_weights(weights_of(killed), weights_of(whole), tol=1e-6)
-    assert_same_weights(weights_of(killed, "best"), weights_of(whole, "best"), tol=1e-6)
+    assert_same_weights(weights_of(killed), weights_of(whole), tol=0.0)
+    assert_same_weights(weights_of(killed, "best"), weights_of(whole, "best"), tol=0.0)
     killed_metrics = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     whole_metrics = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in killed_metrics] == [1, 2, 3]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from visattn.bench import maxlen
 from visattn.bench.calibrate import calibrate
 from visattn.bench.memory import capacity_bytes
 from visattn.bench.report import csv_rows, markdown_report, plot, summarize, write_csv
@@ -20,12 +21,16 @@ from visattn.bench.sweep import (
     DTYPES,
     FLOOR,
     MODES,
+    TILED,
     TIMM,
     Result,
+    check_tiled_sizes,
+    default_tile,
     plan_model_sweep,
     plan_ops_sweep,
     timm_reference_name,
 )
+from visattn.bench.targets import Verdict, check_targets
 from visattn.bench.timing import Timing, measure
 from visattn.layers import list_attentions
 from visattn.layers.options import options_per_type, parse_key_values
@@ -60,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="visattn-bench",
         description="Throughput and peak memory of the visattn attention types vs timm's fused softmax attention.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"visattn-bench {maxlen.COMMAND} [--help]: {maxlen.SUMMARY}.",
     )
     p.add_argument("--ops", action="store_true", help="time the attention ops alone (no model) on --grids")
     p.add_argument("--calibrate", action="store_true", help="also write the calibration of attn='auto' for --model")
@@ -80,15 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=6, help="heads of --ops")
     p.add_argument("--head-dim", type=int, default=64, help="head width of --ops")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="infer: forward; train: forward, backward, AdamW")
-    p.add_argument("--batch-size", type=int, default=1, help="images (q, k, v batch in --ops) per step")
+    p.add_argument(
+        "--batch-size", dest="batch_sizes", type=int, nargs="+", default=[1], metavar="BATCH_SIZE",
+        help="images (q, k, v batch in --ops) per step; several values: each is measured at every size",
+    )
     p.add_argument("--num-classes", type=int, default=1000, help="classifier width of both models")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="bf16: autocast mixed precision")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (the op in --ops)")
     p.add_argument(
-        "--references", nargs="*", choices=[TIMM, FLOOR], default=[TIMM, FLOOR],
-        help="reference rows of the model sweep; leave timm out where its step would take too long",
+        "--references", nargs="*", choices=[TIMM, FLOOR, TILED], default=[TIMM, FLOOR],
+        help="reference rows of the model sweep; leave timm out where its step would take too long; tiled: timm's "
+        "model at --tile px run on tiles of the image (visattn.tiled)",
     )
+    p.add_argument("--tile", type=_size, help="tile size of the tiled row, N or HxW px; default: the timm model's input size")
+    p.add_argument("--tile-overlap", type=int, default=0, help="least overlap of the tiled row's tiles, px (a multiple of the patch)")
     p.add_argument(
         "--grad-checkpointing", action="store_true", help="train mode: recompute each block in the backward (timm's set_grad_checkpointing)"
     )
@@ -126,9 +138,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     taken = {"img_size", "num_classes", "attn", "attn_kwargs"} & set(args.model_kwargs)
     if taken:
         parser.error(f"--model-kwargs cannot set {', '.join(sorted(taken))}; use --sizes, --num-classes, --attn, --attn-kwargs")
-    for name in ("batch_size", "num_classes", "heads", "head_dim", "min_iters", "fit_points"):
+    for name in ("num_classes", "heads", "head_dim", "min_iters", "fit_points"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.batch_sizes) < 1:
+        parser.error(f"--batch-size must be >= 1, got {' '.join(map(str, args.batch_sizes))}")
+    args.batch_sizes = list(dict.fromkeys(args.batch_sizes))
     finite = all(math.isfinite(s) for s in (args.min_seconds, args.settle, args.max_seconds))
     if not finite or args.warmup < 0 or args.min_seconds < 0 or args.settle < 0 or args.max_seconds <= 0:
         parser.error("--warmup, --min-seconds and --settle must be >= 0 and --max-seconds > 0")
@@ -150,6 +165,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             args.timm_model = args.timm_model or timm_reference_name(args.model)
         except ValueError as err:
             parser.error(str(err))
+        args.tile = args.tile or default_tile(args.timm_model)
+        if TILED in args.references:
+            try:
+                check_tiled_sizes(args.timm_model, args.model_kwargs, args.tile, args.tile_overlap, args.sizes)
+            except ValueError as err:
+                parser.error(f"--references {TILED}: {err}")
     return args
 
 
@@ -162,25 +183,48 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
             measure(group, timing, args.max_memory_bytes, args.capacity_bytes, progress)
     results = [r for group in plan for r in group]
     summary = summarize(results, args.fit_points)
-    report = markdown_report(results, summary, args.fit_points)
+    verdicts = None if args.ops else check_targets(results)
+    report = markdown_report(results, summary, args.fit_points, verdicts)
     stem = "ops" if args.ops else "bench"
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(csv_rows(results), args.out / f"{stem}.csv")
     (args.out / f"{stem}.md").write_text(report + "\n")
     plot(results, args.out / f"{stem}.png")
     summary["settings"] = json.loads(json.dumps(vars(args), default=str))
+    if verdicts is not None:
+        summary["targets"] = [_verdict_summary(v) for v in verdicts]
     if args.calibrate:
         summary["calibration"] = calibrate(results, args)
     (args.out / f"{stem}_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(report)
     if args.calibrate:
         calibration = summary["calibration"]
-        steps = ", ".join(f"{name} from {tokens} tokens" for tokens, name in calibration["thresholds"])
-        print(f"calibration for attn='auto' written to {calibration['path']}: {steps}")
+        print(f"calibration for attn='auto' written to {calibration['path']}:")
+        for batch_size, entry in calibration["batches"].items():
+            steps = ", ".join(f"{name} from {tokens} tokens" for tokens, name in entry["thresholds"])
+            low, high = entry["tokens"]
+            print(f"  batch {batch_size}: {steps} (measured from {low} to {high} tokens)")
     print(f"wrote {stem}.csv, {stem}.md, {stem}.png, {stem}_summary.json in {args.out}", file=sys.stderr)
     return results, summary
 
 
+def _verdict_summary(v: Verdict) -> dict[str, Any]:
+    """A verdict as JSON: the target, the row, the median with its quartiles, and the verdict."""
+    t = v.target
+    entry: dict[str, Any] = {
+        "target": v.target.describe(v.attn), "attn": v.attn, "mode": t.mode, "size": t.size,
+        "batch_size": t.batch_size, "measure": t.measure, "op": t.op, "threshold": t.threshold, "value": v.value,
+    }
+    if v.value is None:
+        return entry | {"verdict": f"not measured ({v.why})"}
+    if v.spread is not None:
+        entry |= {"q1": v.spread.q1, "q3": v.spread.q3, "rounds": v.spread.rounds}
+    return entry | {"verdict": "met" if v.met else "missed", "decided_by_spread": v.decided_by_spread}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [maxlen.COMMAND]:
+        return maxlen.main(argv[1:])
     run(_parse(argv))
     return 0

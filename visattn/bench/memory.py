@@ -4,8 +4,9 @@
   peak RSS (``ru_maxrss``) on CPU, ``torch.cuda.max_memory_allocated`` on CUDA. Peak memory of one
   configuration is never mixed with another's.
 * Workers whose memory estimates (:func:`visattn.bench.flops.estimate_memory`) do not fit the machine
-  together (80% of RAM, 90% of the GPU) run in consecutive groups; a configuration whose own estimate
-  exceeds ``--max-memory`` (default: the same bound) is skipped and shown with the estimate.
+  together (80% of RAM, 90% of the GPU) run in consecutive groups, floor's workers in every group (so
+  that every row has floor in its rounds; see :mod:`visattn.bench.ratios`); a configuration whose own
+  estimate exceeds ``--max-memory`` (default: the same bound) is skipped and shown with the estimate.
 """
 from __future__ import annotations
 
@@ -49,15 +50,31 @@ def skip_over_budget(results: list[Result], max_memory: int) -> list[Result]:
     return runnable
 
 
-def groups_that_fit(results: list[Result], capacity: int) -> list[list[Result]]:
-    """Consecutive groups whose estimates (plus each process's runtime) fit ``capacity`` together."""
+def groups_that_fit(results: list[Result], capacity: int, shared: list[Result] | None = None) -> list[list[Result]]:
+    """Consecutive groups whose estimates (plus each process's runtime) fit ``capacity`` together.
+
+    The ``shared`` rows (floor) join every group, ahead of the rest in the order of ``results``, so that
+    every row is timed in the same rounds as they are; a group holds at least one other row even where
+    that exceeds ``capacity``.
+    """
+    shared = shared or []
+    shared_ids = {id(r) for r in shared}
+    order = {id(r): i for i, r in enumerate(results)}
+
+    def need(r: Result) -> int:
+        return r.estimate_bytes + RUNTIME_BYTES
+
+    base = sum(need(r) for r in shared)
     groups: list[list[Result]] = []
     used = 0
     for r in results:
-        need = r.estimate_bytes + RUNTIME_BYTES
-        if not groups or used + need > capacity:
+        if id(r) in shared_ids:
+            continue
+        if not groups or used + need(r) > capacity:
             groups.append([])
-            used = 0
+            used = base
         groups[-1].append(r)
-        used += need
-    return groups
+        used += need(r)
+    if not groups:
+        return [list(shared)] if shared else []
+    return [sorted(shared + group, key=lambda r: order.get(id(r), -1)) for group in groups]

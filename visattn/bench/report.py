@@ -1,5 +1,9 @@
 """What a sweep reports: the markdown tables, the CSV (timm's column names), the plot, and the analysis
-behind them (scaling exponents and crossovers)."""
+behind them (scaling exponents and crossovers per mode and batch size, the targets check).
+
+Every table, CSV row, plot panel, exponent and crossover is of one batch size: a point's rows are compared
+only with the references of the same image size, mode and batch. ``% floor`` and ``x timm`` are medians of
+per-round ratios with their interquartile range (:mod:`visattn.bench.ratios`)."""
 from __future__ import annotations
 
 import csv
@@ -9,8 +13,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from visattn.bench.sweep import FLOOR, TIMM, Result
-from visattn.bench.targets import seed_claim
+from visattn.bench.ratios import Spread, rate_ratio
+from visattn.bench.sweep import FLOOR, TILED, TIMM, Result
+from visattn.bench.targets import MIN_ROUNDS, Verdict, seed_claim
 
 MB = 2**20
 
@@ -55,23 +60,46 @@ def crossover_tokens(points: Iterable[tuple[int, float | None, float | None]]) -
 # Reports
 
 
-def _by_row(results: Iterable[Result]) -> dict[tuple[str, str], dict[str, Result]]:
-    """{(attn, size label): {mode: result}} in sweep order."""
-    rows: dict[tuple[str, str], dict[str, Result]] = {}
+def _by_row(results: Iterable[Result]) -> dict[tuple[str, str, int], dict[str, Result]]:
+    """{(attn, size label, batch size): {mode: result}} in sweep order."""
+    rows: dict[tuple[str, str, int], dict[str, Result]] = {}
     for r in results:
-        rows.setdefault((r.case.attn, r.case.size_label), {})[r.case.mode] = r
+        rows.setdefault((r.case.attn, r.case.size_label, r.case.batch_size), {})[r.case.mode] = r
     return rows
 
 
+def _settings(results: Iterable[Result]) -> list[tuple[str, int]]:
+    """(mode, batch size) of the sweep: modes in sweep order, each with its batch sizes in sweep order."""
+    seen = list(dict.fromkeys((r.case.mode, r.case.batch_size) for r in results))
+    return [(mode, b) for mode in dict.fromkeys(m for m, _ in seen) for m, b in seen if m == mode]
+
+
+def _setting_label(mode: str, batch_size: int, results: list[Result]) -> str:
+    """``infer``, or ``infer batch 16`` where the sweep has several batch sizes."""
+    several = len({r.case.batch_size for r in results}) > 1
+    return f"{mode} batch {batch_size}" if several else mode
+
+
 def _reference(results: list[Result], attn: str, r: Result) -> Result | None:
+    """Row ``attn`` of ``r``'s point: same kind, size, batch size and mode."""
     for other in results:
-        if other.case.attn == attn and other.case.size == r.case.size and other.case.mode == r.case.mode:
+        c, o = r.case, other.case
+        if o.attn == attn and (o.kind, o.size, o.batch_size, o.mode) == (c.kind, c.size, c.batch_size, c.mode):
             return other
     return None
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
+def pct_of_floor(results: list[Result], r: Result) -> Spread | None:
+    """``r``'s images/s in percent of floor's at its point, per round."""
+    floor = _reference(results, FLOOR, r)
+    ratio = None if floor is None else rate_ratio(r, floor)
+    return None if ratio is None else ratio.scaled(100)
+
+
+def speedup_vs_timm(results: list[Result], r: Result) -> Spread | None:
+    """``r``'s images/s over timm's at its point, per round (linked through floor across memory groups)."""
+    timm = _reference(results, TIMM, r)
+    return None if timm is None else rate_ratio(r, timm, link=_reference(results, FLOOR, r))
 
 
 def _round(x: float | None, digits: int = 3) -> float | None:
@@ -82,18 +110,27 @@ def _mb(x: int | None) -> float | None:
     return None if x is None else round(x / MB, 1)
 
 
+def _spread_columns(name: str, value: Spread | None) -> dict[str, float | None]:
+    """``name`` (the median), ``name_q1``, ``name_q3``."""
+    if value is None:
+        return {name: None, f"{name}_q1": None, f"{name}_q3": None}
+    return {name: _round(value.median, 4), f"{name}_q1": _round(value.q1, 4), f"{name}_q3": _round(value.q3, 4)}
+
+
 def csv_rows(results: list[Result]) -> list[dict[str, Any]]:
-    """One row per attention type x size with timm's column names (``infer_samples_per_sec``, ...)."""
+    """One row per attention type x size x batch size with timm's column names (``infer_samples_per_sec``,
+    ...); the ratios with their quartiles (``infer_pct_of_floor_q1``, ``infer_pct_of_floor_q3``)."""
     out = []
-    for (attn, _), by_mode in _by_row(results).items():
+    for (attn, _, batch_size), by_mode in _by_row(results).items():
         first = next(iter(by_mode.values()))
         case = first.case
         row: dict[str, Any] = {"attn": attn}
         if case.kind == "model":
-            row |= {"model": case.timm_name if attn == TIMM else case.model_name}
+            row |= {"model": case.timm_name if attn in (TIMM, TILED) else case.model_name}
         else:
             row |= {"num_heads": case.num_heads, "head_dim": case.head_dim}
-        row |= {"tokens": first.tokens, "grid": f"{first.grid[0]}x{first.grid[1]}", "device": case.device, "dtype": case.dtype}
+        row |= {"batch_size": batch_size, "tokens": first.tokens, "grid": f"{first.grid[0]}x{first.grid[1]}"}
+        row |= {"device": case.device, "dtype": case.dtype}
         if case.kind == "model":
             row["param_count"] = round(first.param_count / 1e6, 3)
         for mode, r in by_mode.items():
@@ -101,6 +138,7 @@ def csv_rows(results: list[Result]) -> list[dict[str, Any]]:
             gflops = r.flops / 1e9
             row |= {
                 f"{mode}_samples_per_sec": _round(sps, 4),
+                f"{mode}_tokens_per_sec": _round(r.tokens_per_sec, 4),
                 f"{mode}_step_time": _round(None if r.step_time is None else 1000 * r.step_time, 4),
                 f"{mode}_batch_size": case.batch_size,
             }
@@ -113,10 +151,8 @@ def csv_rows(results: list[Result]) -> list[dict[str, Any]]:
                 f"{mode}_gflops_per_sec": _round(None if sps is None else gflops * sps, 4),
             }
             if case.kind == "model":
-                floor, timm = _reference(results, FLOOR, r), _reference(results, TIMM, r)
-                pct = _ratio(sps, floor.samples_per_sec if floor else None)
-                row[f"{mode}_pct_of_floor"] = _round(None if pct is None else 100 * pct, 4)
-                row[f"{mode}_speedup_vs_timm"] = _round(_ratio(sps, timm.samples_per_sec if timm else None), 4)
+                row |= _spread_columns(f"{mode}_pct_of_floor", pct_of_floor(results, r))
+                row |= _spread_columns(f"{mode}_speedup_vs_timm", speedup_vs_timm(results, r))
             row |= {
                 f"{mode}_peak_mem_mb": _mb(r.peak_bytes),
                 f"{mode}_act_mem_mb": _mb(r.activation_bytes),
@@ -130,23 +166,26 @@ def csv_rows(results: list[Result]) -> list[dict[str, Any]]:
 
 
 def summarize(results: list[Result], fit_points: int) -> dict[str, Any]:
-    """Scaling exponents (time and memory vs tokens) and crossovers per attention type and mode. The
-    crossover reference is timm in the model sweep and the fused softmax op in the ops benchmark."""
+    """Scaling exponents (time and memory vs tokens) and crossovers per attention type, mode and batch size
+    (``summary["exponents"][attn][mode][batch]``). The crossover reference is timm in the model sweep and
+    the fused softmax op in the ops benchmark."""
     reference = "softmax" if results[0].case.kind == "op" else TIMM
     summary: dict[str, Any] = {"exponents": {}, "crossover_reference": reference, "crossover": {}}
     attns = list(dict.fromkeys(r.case.attn for r in results))
-    modes = list(dict.fromkeys(r.case.mode for r in results))
     for attn in attns:
-        for mode in modes:
-            mine = [r for r in results if r.case.attn == attn and r.case.mode == mode]
+        for mode, batch_size in _settings(results):
+            mine = [r for r in results if (r.case.attn, r.case.mode, r.case.batch_size) == (attn, mode, batch_size)]
             tokens = [r.tokens for r in mine]
-            summary["exponents"].setdefault(attn, {})[mode] = {
+            summary["exponents"].setdefault(attn, {}).setdefault(mode, {})[str(batch_size)] = {
                 "time": _round(fit_exponent(tokens, [r.step_time for r in mine], fit_points)),
                 "memory": _round(fit_exponent(tokens, [r.activation_bytes for r in mine], fit_points)),
             }
             if attn != reference and reference in attns:
-                points = [(r.tokens, r.step_time, _reference(results, reference, r).step_time) for r in mine]
-                summary["crossover"].setdefault(attn, {})[mode] = crossover_tokens(points)
+                points = []
+                for r in mine:
+                    other = _reference(results, reference, r)
+                    points.append((r.tokens, r.step_time, None if other is None else other.step_time))
+                summary["crossover"].setdefault(attn, {}).setdefault(mode, {})[str(batch_size)] = crossover_tokens(points)
     return summary
 
 
@@ -160,6 +199,13 @@ def _status_cell(r: Result) -> str:
     return f"{r.status}: {r.message}" if r.message else r.status
 
 
+def _fmt_spread(value: Spread | None) -> str:
+    """``96.2 (93.1-98)``: the median and the interquartile range."""
+    if value is None:
+        return "-"
+    return f"{_fmt(value.median)} ({_fmt(value.q1)}-{_fmt(value.q3)})"
+
+
 def _table_cells(r: Result, results: list[Result]) -> dict[str, str]:
     """The markdown cells of one result, keyed by column; a row that did not run shows why instead of a time."""
     ops = r.case.kind == "op"
@@ -169,12 +215,11 @@ def _table_cells(r: Result, results: list[Result]) -> dict[str, str]:
         cells["seed claim (ms)"] = seed_claim(r.case.attn, r.tokens)
     if r.ok:
         sps = r.samples_per_sec
-        cells |= {"images/s": _fmt(sps, 4), "ms/step": _fmt(1000 * r.step_time, 4), "GFLOP/s": _fmt(r.flops / 1e9 * sps, 4)}
+        cells |= {"images/s": _fmt(sps, 4), "tokens/s": _fmt(r.tokens_per_sec, 4), "ms/step": _fmt(1000 * r.step_time, 4)}
+        cells["GFLOP/s"] = _fmt(r.flops / 1e9 * sps, 4)
         if not ops:
-            floor, timm = _reference(results, FLOOR, r), _reference(results, TIMM, r)
-            pct = _ratio(sps, floor.samples_per_sec if floor else None)
-            cells["% floor"] = _fmt(None if pct is None else 100 * pct)
-            cells["x timm"] = _fmt(_ratio(sps, timm.samples_per_sec if timm else None))
+            cells["% floor (IQR)"] = _fmt_spread(pct_of_floor(results, r))
+            cells["x timm (IQR)"] = _fmt_spread(speedup_vs_timm(results, r))
     else:
         cells[speed_column] = _status_cell(r)
     cells |= {"GFLOPs" if ops else "GFLOPs/img": _fmt(r.flops / 1e9, 4)}
@@ -190,51 +235,102 @@ def _markdown_table(header: list[str], rows: Iterable[dict[str, str]]) -> list[s
     return lines + [""]
 
 
-def markdown_report(results: list[Result], summary: dict[str, Any], fit_points: int) -> str:
+def _verdict_cells(v: Verdict) -> dict[str, str]:
+    cells = {"target": v.target.describe(v.attn)}
+    if v.value is None:
+        return cells | {"median (IQR)": "-", "verdict": f"not measured ({v.why})"}
+    cells["median (IQR)"] = _fmt_spread(v.spread) if v.spread is not None else _fmt(v.value)
+    cells["rounds"] = "" if v.spread is None else str(v.spread.rounds) + (" (too few)" if v.too_few_rounds else "")
+    cells["verdict"] = "met" if v.met else "missed"
+    cells["decided by the spread"] = "yes" if v.decided_by_spread else ""
+    return cells
+
+
+def targets_report(verdicts: list[Verdict]) -> list[str]:
+    """The targets section: each verdict, and a line naming the ones the spread decided."""
+    lines = ["## Targets", ""]
+    if not verdicts:
+        return lines + ["No target of visattn/bench/targets.py is at a point of this run, in its setting (ViT-S/16, fp32, "
+                        "each type's default options).", ""]
+    lines += [
+        f"Met when the median over the rounds clears the threshold; decided by the spread when the interquartile "
+        f"range straddles it; fewer than {MIN_ROUNDS} rounds are flagged.", "",
+    ]
+    lines += _markdown_table(["target", "median (IQR)", "rounds", "verdict", "decided by the spread"],
+                             (_verdict_cells(v) for v in verdicts))
+    judged = [v for v in verdicts if v.value is not None]
+    by_spread = [f"{v.attn} ({v.target.mode} {v.target.size}² batch {v.target.batch_size})" for v in judged if v.decided_by_spread]
+    lines += [f"{sum(v.met for v in judged)} of {len(judged)} measured targets met; decided by the spread: "
+              f"{', '.join(by_spread) or 'none'}.", ""]
+    return lines
+
+
+def markdown_report(
+    results: list[Result], summary: dict[str, Any], fit_points: int, verdicts: list[Verdict] | None = None
+) -> str:
+    """The report: one table per mode and batch size, the scaling exponents, the crossovers and, for a model
+    sweep given its ``verdicts``, the targets."""
     first = results[0].case
     ops = first.kind == "op"
+    batches = ", ".join(str(b) for b in dict.fromkeys(r.case.batch_size for r in results))
     what = (
-        f"attention ops alone, batch {first.batch_size}, {first.num_heads} heads x {first.head_dim}"
+        f"attention ops alone, batch {batches}, {first.num_heads} heads x {first.head_dim}"
         if ops
-        else f"{first.model_name} vs timm {first.timm_name}, batch {first.batch_size}"
+        else f"{first.model_name} vs timm {first.timm_name}, batch {batches}"
     )
     flags = (", compiled" if first.compile else "") + (", gradient checkpointing" if first.grad_checkpointing else "")
     lines = [f"# visattn-bench: {what}, {first.device}, {first.dtype}{flags}", ""]
-    modes = list(dict.fromkeys(r.case.mode for r in results))
+    if not ops:
+        lines += ["% floor and x timm: the median over interleaved rounds of the per-round ratio, with its "
+                  "interquartile range.", ""]
+    tiled = next((r.case for r in results if r.case.attn == TILED), None)
+    if tiled is not None:
+        (th, tw), overlap = tiled.tile, tiled.tile_overlap
+        lines += [f"{TILED}: timm {tiled.timm_name} at {th}x{tw} px on tiles of the image overlapping by at least "
+                  f"{overlap} px, all tiles of a batch in one forward", ""]
+    settings = _settings(results)
     titles = (
         {"infer": "Forward", "train": "Forward + backward"}
         if ops
         else {"infer": "Inference (forward)", "train": "Training step (forward + backward + AdamW)"}
     )
-    for mode in modes:
+    for mode, batch_size in settings:
         if ops:
             header = ["attn", "grid", "tokens", "ms/step"] + (["seed claim (ms)"] if mode == "infer" else [])
             header += ["GFLOPs", "GFLOP/s", "peak MB", "est. MB"]
         else:
-            header = ["attn", "img", "tokens", "images/s", "ms/step", "GFLOPs/img", "GFLOP/s", "% floor", "x timm"]
-            header += ["peak MB", "est. MB", "params (M)"]
-        lines += [f"## {titles[mode]}", ""]
-        lines += _markdown_table(header, (_table_cells(r, results) for r in results if r.case.mode == mode))
+            header = ["attn", "img", "tokens", "images/s", "tokens/s", "ms/step", "GFLOPs/img", "GFLOP/s",
+                      "% floor (IQR)", "x timm (IQR)", "peak MB", "est. MB", "params (M)"]
+        lines += [f"## {titles[mode]}, batch {batch_size}", ""]
+        rows = (r for r in results if (r.case.mode, r.case.batch_size) == (mode, batch_size))
+        lines += _markdown_table(header, (_table_cells(r, results) for r in rows))
+    labels = {(mode, b): _setting_label(mode, b, results) for mode, b in settings}
     lines += [f"## Scaling exponents (log-log slope over the largest {fit_points} sizes)", ""]
     lines += ["Time: median step time; memory: peak above the footprint after building.", ""]
-    header = ["attn"] + [f"{mode} {what}" for mode in modes for what in ("time", "memory")]
+    columns = [(setting, what) for setting in settings for what in ("time", "memory")]
     lines += _markdown_table(
-        header,
+        ["attn"] + [f"{labels[setting]} {what}" for setting, what in columns],
         (
-            {"attn": attn} | {f"{m} {what}": _fmt(by_mode[m][what]) for m in modes for what in ("time", "memory")}
+            {"attn": attn} | {f"{labels[(m, b)]} {what}": _fmt(by_mode[m][str(b)][what]) for (m, b), what in columns}
             for attn, by_mode in summary["exponents"].items()
         ),
     )
     reference = summary["crossover_reference"]
     lines += [f"## Crossover: smallest token count from which the type beats {reference} at every larger size", ""]
-    largest = {m: max(r.tokens for r in results if r.case.mode == m) for m in modes}
+    largest = {(m, b): max(r.tokens for r in results if (r.case.mode, r.case.batch_size) == (m, b)) for m, b in settings}
+
+    def crossover_cell(tokens: int | None, setting: tuple[str, int]) -> str:
+        return str(tokens) if tokens is not None else f"not up to {largest[setting]}"
+
     lines += _markdown_table(
-        ["attn"] + modes,
+        ["attn"] + [labels[setting] for setting in settings],
         (
-            {"attn": attn} | {m: str(by_mode[m]) if by_mode[m] is not None else f"not up to {largest[m]}" for m in modes}
+            {"attn": attn} | {labels[(m, b)]: crossover_cell(by_mode[m][str(b)], (m, b)) for m, b in settings}
             for attn, by_mode in summary["crossover"].items()
         ),
     )
+    if verdicts is not None:
+        lines += targets_report(verdicts)
     return "\n".join(lines)
 
 
@@ -247,7 +343,8 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def plot(results: list[Result], path: Path) -> None:
-    """Speed and peak memory against tokens, log-log, one line per attention type."""
+    """Speed and peak memory against tokens, log-log, one line per attention type; one row of panels per
+    mode and batch size."""
     # Here, not at the top: the file-only backend must be chosen before pyplot loads, and only by a
     # command that draws (the library's importers keep their own backend).
     import matplotlib
@@ -257,13 +354,18 @@ def plot(results: list[Result], path: Path) -> None:
     from matplotlib.ticker import NullFormatter
 
     ops = results[0].case.kind == "op"
-    modes = list(dict.fromkeys(r.case.mode for r in results))
-    fig, axes = plt.subplots(len(modes), 2, figsize=(12, 4.5 * len(modes)), squeeze=False)
-    style = {TIMM: dict(color="black", linewidth=2.5), FLOOR: dict(color="grey", linestyle="--", linewidth=2)}
-    for row, mode in enumerate(modes):
+    settings = _settings(results)
+    fig, axes = plt.subplots(len(settings), 2, figsize=(12, 4.5 * len(settings)), squeeze=False)
+    style = {
+        TIMM: dict(color="black", linewidth=2.5),
+        FLOOR: dict(color="grey", linestyle="--", linewidth=2),
+        TILED: dict(color="black", linestyle=":", linewidth=2),
+    }
+    for row, (mode, batch_size) in enumerate(settings):
         ax_speed, ax_mem = axes[row]
+        here = [r for r in results if (r.case.mode, r.case.batch_size) == (mode, batch_size)]
         for attn in dict.fromkeys(r.case.attn for r in results):
-            mine = [r for r in results if r.case.attn == attn and r.case.mode == mode and r.ok]
+            mine = [r for r in here if r.case.attn == attn and r.ok]
             if not mine:
                 continue
             tokens = [r.tokens for r in mine]
@@ -275,14 +377,14 @@ def plot(results: list[Result], path: Path) -> None:
                 ax_mem.plot(*zip(*mem), **kwargs)
         ax_speed.set_ylabel("ms per step" if ops else "images / s")
         ax_mem.set_ylabel("peak memory (MB)")
-        measured = sorted({r.tokens for r in results if r.case.mode == mode})
+        measured = sorted({r.tokens for r in here})
         for ax, what in ((ax_speed, "speed"), (ax_mem, "peak memory")):
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xticks(measured, [str(t) for t in measured])  # the measured sizes, not crowded minor ticks
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("tokens")
-            ax.set_title(f"{mode}: {what}")
+            ax.set_title(f"{mode}, batch {batch_size}: {what}")
             ax.grid(True, which="both", alpha=0.3)
         if ax_speed.lines:
             ax_speed.legend(fontsize=8)

@@ -1,8 +1,174 @@
-"""The times the seed's table claims, which the ops benchmark (``visattn-bench --ops``) shows beside its
-own rows."""
+"""The speed and memory targets of visattn, and the seed table's claimed times.
+
+:data:`TARGETS`: each target names a point of the model sweep (mode, square image size, batch size), a
+type (or :data:`OTHER_TYPES`), a measure and a threshold; :func:`check_targets` judges the ones a run
+measured. They are set for ViT-S/16 in fp32 with each type's default options (:data:`TARGET_SETTING`),
+on a 2-core CPU; rows of another setting are not judged. A speed target is met only when the median of
+its per-round ratio (:mod:`visattn.bench.ratios`) clears the threshold; where the ratio's interquartile
+range straddles the threshold, the verdict says that the spread decided it (a rerun may turn it). Targets
+that are not a ratio at one point (the scaling exponents, the largest image that trains) are judged in
+the README from the summary and from their own runs.
+
+The seed's claims, shown beside the benchmark's own rows: :data:`SEED_CLAIMS_MS`, the times of its table
+(``visattn-bench --ops``), and :data:`SEED_MAX_TOKENS`, the longest sequence it says each kind of attention
+handles (``visattn-bench max-tokens``).
+"""
 from __future__ import annotations
 
-from visattn.bench.sweep import EXPLICIT_SOFTMAX
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from visattn.bench.ratios import Spread, rate_ratio
+from visattn.bench.sweep import DEFAULT_MODEL, EXPLICIT_SOFTMAX, FLOOR, TIMM, Result
+from visattn.layers import list_attentions
+
+# What a target is stated for: rows whose case differs in any of these fields are not judged.
+TARGET_SETTING: dict[str, Any] = {
+    "kind": "model", "model_name": DEFAULT_MODEL, "timm_name": "vit_small_patch16_224", "dtype": "fp32",
+    "compile": False, "grad_checkpointing": False, "model_kwargs": {}, "attn_kwargs": {},
+}
+# A target for every measured type (floor aside) without a target of the same measure at its point.
+OTHER_TYPES = "every other type"
+# Rounds a speed ratio should rest on; a verdict on fewer says so.
+MIN_ROUNDS = 5
+
+# measure: (unit of the threshold, what it is of)
+MEASURES = {
+    "pct_of_floor": ("%", "of floor's images/s"),
+    "speedup_vs_timm": ("x", "timm's images/s"),
+    "peak_mem_vs_floor": ("x", "floor's peak memory"),
+}
+_OPERATORS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
+
+
+@dataclass(frozen=True)
+class Target:
+    """``attn``'s ``measure`` at one point (``mode``, ``size`` x ``size`` px, ``batch_size``) ``op`` ``threshold``."""
+
+    attn: str  # a registry name, or OTHER_TYPES
+    mode: str  # "infer" or "train"
+    size: int  # square image, pixels
+    batch_size: int
+    measure: str  # a key of MEASURES
+    op: str  # a key of _OPERATORS
+    threshold: float  # percent for pct_of_floor, a factor otherwise
+
+    def describe(self, attn: str) -> str:
+        """E.g. ``infer 2048² batch 1: linear >= 95% of floor's images/s``, for row ``attn``."""
+        unit, what = MEASURES[self.measure]
+        return f"{self.mode} {self.size}² batch {self.batch_size}: {attn} {self.op} {self.threshold:g}{unit} {what}"
+
+    def is_met(self, value: float) -> bool:
+        return _OPERATORS[self.op](value, self.threshold)
+
+
+def _targets(mode: str, size: int, batch_size: int, measure: str, op: str, thresholds: Mapping[str, float]) -> list[Target]:
+    return [Target(attn, mode, size, batch_size, measure, op, t) for attn, t in thresholds.items()]
+
+
+TARGETS: tuple[Target, ...] = (
+    # batch 1
+    *_targets("infer", 2048, 1, "pct_of_floor", ">=", {
+        "linear": 95, "axial": 85, "linformer": 85, "neighborhood": 80, "sparse": 80, "longformer": 80,
+    }),
+    *_targets("infer", 2048, 1, "speedup_vs_timm", ">=", {"linear": 6}),
+    *_targets("infer", 1024, 1, "pct_of_floor", ">=", {"linear": 90}),
+    *_targets("train", 1024, 1, "pct_of_floor", ">=", {"linear": 90, "axial": 80}),
+    *_targets("train", 1024, 1, "peak_mem_vs_floor", "<=", {"linear": 1.25, "axial": 1.25}),
+    # the crossover: linear beats timm from 576 tokens (384²) at every larger size
+    *(t for mode in ("infer", "train") for size in (384, 512, 1024)
+      for t in _targets(mode, size, 1, "speedup_vs_timm", ">", {"linear": 1})),
+    # batched
+    *_targets("infer", 512, 16, "pct_of_floor", ">=", {"linear": 90, "axial": 85, OTHER_TYPES: 75}),
+    *_targets("infer", 512, 16, "speedup_vs_timm", ">=", {"linear": 1.2}),
+    *_targets("infer", 224, 64, "pct_of_floor", ">=", {OTHER_TYPES: 85}),
+    *_targets("train", 512, 16, "pct_of_floor", ">=", {"linear": 85}),
+    *_targets("train", 512, 16, "speedup_vs_timm", ">", {"linear": 1}),
+    *_targets("train", 1024, 4, "pct_of_floor", ">=", {"linear": 80, "axial": 80}),
+    *_targets("train", 1024, 4, "peak_mem_vs_floor", "<=", {"linear": 1.25, "axial": 1.25}),
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One target judged on one row: ``value`` is the median of a speed ratio (its spread beside it) or
+    the peak-memory ratio (no spread); None where the row did not run (``why``)."""
+
+    target: Target
+    attn: str  # the row judged: the target's type, or one of OTHER_TYPES
+    value: float | None
+    spread: Spread | None = None
+    why: str = ""
+
+    @property
+    def met(self) -> bool:
+        return self.value is not None and self.target.is_met(self.value)
+
+    @property
+    def decided_by_spread(self) -> bool:
+        """The interquartile range straddles the threshold: the median decided, a rerun may not agree."""
+        return self.spread is not None and self.spread.straddles(self.target.threshold)
+
+    @property
+    def too_few_rounds(self) -> bool:
+        return self.spread is not None and self.spread.rounds < MIN_ROUNDS
+
+
+def in_setting(result: Result, setting: Mapping[str, Any]) -> bool:
+    return all(getattr(result.case, key) == value for key, value in setting.items())
+
+
+def _judge(target: Target, attn: str, rows: Mapping[str, Result]) -> Verdict | None:
+    """The verdict on row ``attn`` of one point (``rows``: {attn: result}); None where the run lacks the row
+    or the reference (not asked for)."""
+    own, floor = rows.get(attn), rows.get(FLOOR)
+    reference = rows.get(TIMM) if target.measure == "speedup_vs_timm" else floor
+    if own is None or reference is None:
+        return None
+    for row in (own, reference):
+        if not row.ok:
+            return Verdict(target, attn, None, why=f"{row.case.attn}: {row.status}")
+    if target.measure == "peak_mem_vs_floor":
+        if not (own.peak_bytes and reference.peak_bytes):
+            return Verdict(target, attn, None, why="no peak memory")
+        return Verdict(target, attn, own.peak_bytes / reference.peak_bytes)
+    ratio = rate_ratio(own, reference, link=floor)
+    if ratio is None:
+        return Verdict(target, attn, None, why="no round connects the rows")
+    if target.measure == "pct_of_floor":
+        ratio = ratio.scaled(100)
+    return Verdict(target, attn, ratio.median, ratio)
+
+
+def check_targets(
+    results: list[Result], targets: tuple[Target, ...] | None = None, setting: Mapping[str, Any] | None = None
+) -> list[Verdict]:
+    """The verdicts on every target (default :data:`TARGETS`) at a point this run measured, in the order of
+    ``targets`` (an :data:`OTHER_TYPES` target in the run's row order), on the rows of ``setting`` (default
+    :data:`TARGET_SETTING`)."""
+    targets = TARGETS if targets is None else targets
+    setting = TARGET_SETTING if setting is None else setting
+    points: dict[tuple[str, tuple[int, int], int], dict[str, Result]] = {}
+    for r in results:
+        if in_setting(r, setting):
+            points.setdefault((r.case.mode, r.case.size, r.case.batch_size), {})[r.case.attn] = r
+    types = [name for name in list_attentions() if name != FLOOR]
+    verdicts = []
+    for target in targets:
+        rows = points.get((target.mode, (target.size, target.size), target.batch_size))
+        if rows is None:
+            continue
+        if target.attn == OTHER_TYPES:
+            named = {t.attn for t in targets if t.measure == target.measure and t.mode == target.mode
+                     and t.size == target.size and t.batch_size == target.batch_size}
+            names = [attn for attn in rows if attn in types and attn not in named]
+        else:
+            names = [target.attn]
+        verdicts += [v for v in (_judge(target, attn, rows) for attn in names) if v is not None]
+    return verdicts
+
 
 # The seed's table (ms; None: out of memory) for its "standard", "sparse" (Longformer-style) and "linear"
 # attention, keyed by tokens, and the rows of the ops benchmark each claim is compared with.
@@ -11,6 +177,8 @@ SEED_CLAIMS_MS: dict[int, dict[str, float | None]] = {
     2048: {"standard": 1600.0, "sparse": 200.0, "linear": 100.0},
     8192: {"standard": None, "sparse": 800.0, "linear": 300.0},
 }
+# The seed's "maximum sequence length" of each kind of attention (tokens, "~" in the seed).
+SEED_MAX_TOKENS: dict[str, int] = {"standard": 1024, "sparse": 8192, "linear": 65536}
 SEED_CLAIM_OF_ROW = {
     "softmax": "standard",
     EXPLICIT_SOFTMAX: "standard",

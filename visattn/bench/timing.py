@@ -15,12 +15,19 @@
   directly follows a long step of another worker runs slower, which would make a row's time depend on
   the row order. The rest costs little where steps are short.
 * After ``--warmup`` untimed rounds, a row is timed until it has ``--min-iters`` steps and
-  ``--min-seconds`` of timed steps, or once its timed steps exceed ``--max-seconds``. Rows report the
-  median step. An out-of-memory error, or a worker killed by the system, is reported in its row.
+  ``--min-seconds`` of timed steps, or once its timed steps exceed ``--max-seconds``; floor steps in
+  every round while any row of its group does. Rows report the
+  median step; each timed step keeps the serial of its round, from which :mod:`visattn.bench.ratios`
+  forms the ratios between rows round by round. An out-of-memory error, or a worker killed by the
+  system, is reported in its row.
+* Where the workers of one point do not fit the machine together, they run in consecutive groups
+  (:func:`~visattn.bench.memory.groups_that_fit`), floor in each of them: its steps gather over the
+  groups, and its peak memory is that of its last worker.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import time
@@ -32,7 +39,10 @@ import torch
 
 from visattn.bench.memory import groups_that_fit, memory_bytes, skip_over_budget
 from visattn.bench.runners import build_runner
-from visattn.bench.sweep import Case, Result
+from visattn.bench.sweep import FLOOR, Case, Result
+
+# Serials of the timed rounds, unique in this process: steps of one round, and only they, share one.
+_ROUND_SERIALS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -56,9 +66,10 @@ class Timing:
 # The worker
 
 
-def _failure(err: BaseException) -> tuple[str, str]:
+def classify_failure(err: BaseException) -> tuple[str, str]:
+    """("oom" or "error", the error's first line) for an exception a worker caught."""
     text = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-    out_of_memory = isinstance(err, torch.OutOfMemoryError) or any(
+    out_of_memory = isinstance(err, (torch.OutOfMemoryError, MemoryError)) or any(
         s in str(err).lower() for s in ("out of memory", "can't allocate memory", "cannot allocate memory")
     )
     return ("oom" if out_of_memory else "error"), text
@@ -76,7 +87,7 @@ def _worker_main(conn: Any, case: Case) -> None:
             torch.cuda.synchronize(device)
         conn.send(("ready", runner.param_count, memory_bytes(device, peak=False)))
     except Exception as err:  # reported in the row, never a crash of the sweep
-        conn.send(("failed", *_failure(err)))
+        conn.send(("failed", *classify_failure(err)))
         return
     while True:
         request = conn.recv()
@@ -92,7 +103,7 @@ def _worker_main(conn: Any, case: Case) -> None:
                 torch.cuda.synchronize(device)
             conn.send(("time", time.perf_counter() - start))
         except Exception as err:
-            conn.send(("failed", *_failure(err)))
+            conn.send(("failed", *classify_failure(err)))
             return
 
 
@@ -105,6 +116,7 @@ class _Worker:
 
     def __init__(self, ctx: Any, result: Result) -> None:
         self.result = result
+        self.timed: list[float] = []  # seconds of the steps timed in this group
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child, result.case), daemon=True)
         self.process.start()
@@ -178,26 +190,31 @@ def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None
 
     def run_round(rows: list[_Worker], timed: bool) -> None:
         nonlocal rest
+        serial = next(_ROUND_SERIALS)
         for w in rows:
             time.sleep(rest)
             reply = w.ask("step")
             if reply[0] == "time":
                 rest = min(timing.settle, reply[1])
                 if timed:
+                    w.timed.append(reply[1])
                     w.result.times.append(reply[1])
+                    w.result.rounds.append(serial)
             else:
                 w.fail(*reply[1:])
                 live.remove(w)
 
-    label = results[0].case.size_label
+    label = f"{results[0].case.size_label} batch {results[0].case.batch_size}"
     for r in range(timing.warmup):
         progress.set_description(f"{label} warm-up {r + 1}/{timing.warmup}")
         run_round(list(live), timed=False)
     rounds = 0
-    while pending := [w for w in live if timing.needs_more(w.result.times)]:
+    while pending := [w for w in live if timing.needs_more(w.timed)]:
         rounds += 1
         progress.set_description(f"{label} round {rounds}")
-        run_round(pending, timed=True)
+        # floor steps in every round, so that every row's ratio to it has as many rounds as the row; the
+        # rounds go on while any row, floor included, needs more steps
+        run_round([w for w in live if w in pending or w.result.case.attn == FLOOR], timed=True)
     for w in live:
         reply = w.ask("finish")
         if reply[0] == "peak":
@@ -206,13 +223,17 @@ def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None
             w.fail(*reply[1:])
     for w in workers:
         w.close()
-        progress.update(1)
 
 
 def measure(results: list[Result], timing: Timing, max_memory: int, capacity: int, progress: Any) -> None:
-    """Skip the configurations estimated above ``max_memory``, then measure the rest of one size, in
-    groups whose workers fit the machine's ``capacity`` together."""
+    """Skip the configurations estimated above ``max_memory``, then measure the rest of one point, in
+    groups whose workers fit the machine's ``capacity`` together, floor's in every group."""
     runnable = skip_over_budget(results, max_memory)
     progress.update(len(results) - len(runnable))
-    for group in groups_that_fit(runnable, capacity):
-        _measure_group(group, timing, progress)
+    shared = [r for r in runnable if r.case.attn == FLOOR]
+    for group in groups_that_fit(runnable, capacity, shared):
+        # A floor that failed in an earlier group is not started again: its failure stands for the point
+        # (the report shows it), and rows of later groups get no ratio to floor.
+        _measure_group([r for r in group if r.status == "ok" or r not in shared], timing, progress)
+        progress.update(len(group) - len(shared))
+    progress.update(len(shared))

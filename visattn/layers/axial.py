@@ -12,15 +12,24 @@ from visattn.ops.axial import axial_attn, packed_axial_attn
 class AxialAttention(GridAttention):
     """Row attention then column attention with one set of q, k, v (timm's single ``qkv``), so every
     output sees the whole grid in two hops; prefix tokens are keys of every row and column and attend
-    to all tokens. O(N (H + W) d) per head. See :func:`visattn.ops.axial_attn`."""
+    to all tokens. O(N (H + W) d) per head. See :func:`visattn.ops.axial_attn`.
+
+    With ``rope``, q and k are turned once, before both hops, and each axis gets its own rotation: in the
+    row hop a query and its keys share the row, so the row angles cancel and a score depends on the column
+    offset only; in the column hop, on the row offset only. With ``rope="axial"`` a hop's position lives in
+    the half of the channels that turns with its axis (the other half is position-free there); with
+    ``"mixed"`` every pair turns with the hop's axis at its learned frequency along that axis.
+    """
 
     name = "axial"
     supports_attn_drop = True
 
     def project_and_mix(self, x, grid, attn_mask, is_causal) -> torch.Tensor:
-        """Without q/k norms the op runs on the qkv projection itself (:func:`visattn.ops.packed_axial_attn`),
-        whose gradient then comes back in one piece on the ``"cpu_kernels"`` path."""
-        if not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)):
+        """Without q/k norms and rope the op runs on the qkv projection itself
+        (:func:`visattn.ops.packed_axial_attn`), whose gradient then comes back in one piece on the
+        ``"cpu_kernels"`` path."""
+        plain_qk = isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+        if not plain_qk or self.rope is not None:
             return super().project_and_mix(x, grid, attn_mask, is_causal)
         return packed_axial_attn(self.qkv(x), self.num_heads, grid, self.num_prefix_tokens, self.dropout_p)
 

@@ -8,6 +8,10 @@ norm_layer, device, dtype`` and the forward is ``forward(x, attn_mask=None, is_c
 written once, on :class:`GridAttention`: a layer with options of its own takes ``dim, num_heads``, its
 options keyword-only, and passes the rest of the contract on as ``**contract``.
 
+One option is shared by the types that score q against k and lives here, keyword-only after the contract:
+``rope`` (None, ``"axial"`` or ``"mixed"``), a 2D rotary position embedding of q and k over the patch grid
+(:mod:`visattn.ops.rope`).
+
 A 2D layer also needs the patch grid. It is told, never guessed: the model calls
 :meth:`GridAttention.set_grid` with (H, W) and the number of prefix (class/register) tokens before the
 blocks run, and the forward checks that ``N == num_prefix_tokens + H * W``.
@@ -23,8 +27,10 @@ import torch
 import torch.nn as nn
 
 from visattn.layers.cost import MixingMemory, TokenLayout
+from visattn.layers.rope import GridRope
 from visattn.ops._checks import check_grid, check_grid_size, check_nonnegative_int
 from visattn.ops._layout import merge_heads, split_qkv
+from visattn.ops.rope import apply_rope, check_rope
 
 _AUTOCAST_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 
@@ -42,6 +48,7 @@ class GridAttention(nn.Module, ABC):
     supports_causal: ClassVar[bool] = False
     supports_attn_mask: ClassVar[bool] = False
     supports_attn_drop: ClassVar[bool] = False  # there is an attention matrix whose weights can be dropped
+    takes_rope: ClassVar[bool] = True  # q and k are scored against each other, so rope can turn them
 
     def __init__(
         self,
@@ -56,10 +63,15 @@ class GridAttention(nn.Module, ABC):
         norm_layer: type[nn.Module] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        rope: str | None = None,
     ) -> None:
         super().__init__()
         if num_heads < 1 or dim % num_heads != 0:
             raise ValueError(f"{self.name}: dim={dim} must be divisible by num_heads={num_heads}")
+        if rope is not None and not self.takes_rope:
+            raise ValueError(f"{self.name}: rope must be None: this type scores no query against a key, got {rope!r}")
+        check_rope(rope, dim // num_heads, self.name)
         if (qk_norm or scale_norm) and norm_layer is None:
             raise ValueError(f"{self.name}: qk_norm / scale_norm need a norm_layer (e.g. nn.LayerNorm)")
         if attn_drop and not self.supports_attn_drop:
@@ -78,6 +90,7 @@ class GridAttention(nn.Module, ABC):
         self.norm = norm_layer(dim, **dd) if scale_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.rope = GridRope(rope, num_heads, self.head_dim, **dd) if rope is not None else None
         self.grid: tuple[int, int] | None = None
         self.num_prefix_tokens = 0
 
@@ -89,7 +102,7 @@ class GridAttention(nn.Module, ABC):
         self.num_prefix_tokens = num_prefix_tokens
 
     def _checked_grid(self, num_tokens: int) -> tuple[int, int] | None:
-        if not self.needs_grid:
+        if not self.needs_grid and self.rope is None:  # rope's angles come from the grid
             return self.grid
         if self.grid is None:
             raise ValueError(
@@ -130,9 +143,20 @@ class GridAttention(nn.Module, ABC):
         """The qkv projection, then :meth:`mix`: (B, N, C) -> (B, N, C) with the heads merged. A layer
         whose mixing commutes with part of the projection overrides this to fuse the two."""
         q, k, v = split_qkv(self.qkv(x), self.num_heads)  # (B, heads, N, d)
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotate(self.q_norm(q), self.k_norm(k), grid)
         x = self.mix(q, k, v, grid=grid, attn_mask=attn_mask, is_causal=is_causal)  # (B, heads, N, d)
         return merge_heads(x)
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k (B, heads, N, d) turned by the ``rope`` table of ``grid`` (the prefix tokens unturned),
+        so that every score of the mixing depends on the grid offset of its query and key; unchanged
+        without rope. A type whose op applies the table itself overrides this."""
+        if self.rope is None:
+            return q, k
+        table = self.rope(grid, self.num_prefix_tokens, q)
+        return apply_rope(q, table), apply_rope(k, table)
 
     @abstractmethod
     def mix(
@@ -175,13 +199,17 @@ class GridAttention(nn.Module, ABC):
     @classmethod
     def type_options(cls) -> dict[str, Any]:
         """The options of this type beyond timm's contract (the other constructor arguments, keyword-only
-        by convention) and their defaults; what ``convert(..., **options)``, ``attn_kwargs`` and the cost formulas accept."""
-        contract = inspect.signature(GridAttention.__init__).parameters
-        return {
+        by convention) and their defaults, then the shared ones (``rope``) where the type takes them; what
+        ``convert(..., **options)``, ``attn_kwargs`` and the cost formulas accept."""
+        base = inspect.signature(GridAttention.__init__).parameters.values()
+        contract = {p.name for p in base if p.kind is p.POSITIONAL_OR_KEYWORD}
+        shared = {p.name: p.default for p in base if p.kind is p.KEYWORD_ONLY}
+        own = {
             p.name: p.default
             for p in inspect.signature(cls.__init__).parameters.values()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in contract
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in contract | shared.keys()
         }
+        return own | shared if cls.takes_rope else own
 
     @property
     def factory_kwargs(self) -> dict[str, Any]:

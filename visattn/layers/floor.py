@@ -16,6 +16,7 @@ class FloorAttention(GridAttention):
 
     name = "floor"
     needs_grid = False
+    takes_rope = False
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
         return v

@@ -1,6 +1,8 @@
-"""Linear attention layer (Katharopoulos et al. 2020), with an optional 2D locality term."""
+"""Linear attention layer (Katharopoulos et al. 2020), with an optional 2D locality term and an optional
+spatial decay."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -8,9 +10,17 @@ import torch.nn as nn
 
 from visattn.layers.base import GridAttention
 from visattn.layers.cost import MixingMemory
+from visattn.layers.decay import SpatialDecay, check_decay_option
 from visattn.ops._layout import image_to_tokens, merge_heads, split_heads, split_prefix, tokens_to_image
 from visattn.ops.backends import choose_linear_projection_backend, select_backend
-from visattn.ops.linear import fused_qkv_linear_attn, get_feature_map, linear_attn, packed_linear_attn
+from visattn.ops.linear import (
+    decayed_linear_attn,
+    decayed_linear_flops,
+    fused_qkv_linear_attn,
+    get_feature_map,
+    linear_attn,
+    packed_linear_attn,
+)
 
 
 class LinearAttention(GridAttention):
@@ -24,6 +34,15 @@ class LinearAttention(GridAttention):
             needs no grid and supports ``is_causal``. The default is 3 because linear attention alone
             spreads its weight thinly over all tokens and has no notion of neighbourhood, which image
             tasks depend on; the smallest window that has neighbours restores it for little compute.
+        decay: None (off), True, or [first, last]: weight each patch key by ``gamma_h ** (|row_i - row_j|
+            + |col_i - col_j|)`` for the patch query i (RMT's Manhattan decay;
+            :func:`visattn.ops.decayed_linear_attn`), one learnable rate per head in (0, 1). True starts the
+            heads at RMT's rates ``1 - 2 ** -(2 + 4 h / H)``; [first, last] from ``first`` to ``last`` with
+            ``log(1 - gamma)`` evenly spaced (:class:`visattn.layers.decay.SpatialDecay`). Needs the grid;
+            not causal.
+        rope: see :class:`visattn.layers.base.GridAttention`. Linear attention has no score matrix to rotate:
+            the op turns the features phi(q), phi(k) in the numerator only, and the normalizer keeps the
+            unrotated ones, so it stays positive (RoFormer's linear attention; :func:`visattn.ops.linear_attn`).
     """
 
     name = "linear"
@@ -37,10 +56,12 @@ class LinearAttention(GridAttention):
         feature_map: str = "elu",
         chunk_size: int = 64,
         dwconv_kernel: int | None = 3,
+        decay: bool | Sequence[float] | None = None,
         **contract: Any,
     ) -> None:
         super().__init__(dim, num_heads, **contract)
         get_feature_map(feature_map)  # fail early on a bad name
+        decay_init = check_decay_option(decay, self.name)
         if dwconv_kernel is not None and (not isinstance(dwconv_kernel, int) or dwconv_kernel < 1 or dwconv_kernel % 2 == 0):
             raise ValueError(f"linear: dwconv_kernel must be None or an odd integer >= 1, got {dwconv_kernel!r}")
         self.feature_map = feature_map
@@ -49,10 +70,11 @@ class LinearAttention(GridAttention):
         self.dwconv = (
             nn.Conv2d(dim, dim, dwconv_kernel, padding=dwconv_kernel // 2, groups=dim, **dd) if dwconv_kernel else None
         )
+        self.spatial_decay = None if decay_init is None else SpatialDecay(num_heads, decay_init, **dd)
 
     @property
     def needs_grid(self) -> bool:  # type: ignore[override]
-        return self.dwconv is not None
+        return self.dwconv is not None or self.spatial_decay is not None
 
     def project_and_mix(self, x, grid, attn_mask, is_causal) -> torch.Tensor:
         """On the path :func:`visattn.ops.backends.choose_linear_projection_backend` picks (force one with
@@ -60,13 +82,19 @@ class LinearAttention(GridAttention):
         projection block by block of tokens (:func:`visattn.ops.linear.fused_qkv_linear_attn`, inference
         only), so the (B, N, 3 C) projection is never formed; ``"packed"`` runs on the projection itself
         (:func:`visattn.ops.linear.packed_linear_attn`, no q/k norm), whose gradient then comes back in
-        one piece; ``"split"`` splits the heads and calls :meth:`mix`."""
+        one piece; ``"split"`` splits the heads and calls :meth:`mix`. With ``decay`` the layer always
+        splits: the other paths compute attention without it."""
+        if self.spatial_decay is not None:
+            return super().project_and_mix(x, grid, attn_mask, is_causal)
         has_qk_norm = not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity))
+        rotated = self.rope is not None
         name = select_backend(
-            "linear_projection", None, lambda: choose_linear_projection_backend(x, is_causal, has_qk_norm)
+            "linear_projection", None, lambda: choose_linear_projection_backend(x, is_causal, has_qk_norm, rotated)
         )
         if name != "split" and is_causal:
             raise ValueError(f"linear: the {name!r} projection path is non-causal; is_causal=True needs 'split'")
+        if name != "split" and rotated:
+            raise ValueError(f"linear: the {name!r} projection path does not rotate; rope needs 'split'")
         if name == "fused_qkv":
             out, values = fused_qkv_linear_attn(
                 x, self.qkv.weight, self.qkv.bias, self.num_heads, self.feature_map,
@@ -83,12 +111,27 @@ class LinearAttention(GridAttention):
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
         if is_causal and self.dwconv is not None:
             raise ValueError("linear: is_causal=True cannot be combined with dwconv_kernel (the convolution sees later tokens)")
-        out = linear_attn(q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size)
+        if is_causal and self.spatial_decay is not None:
+            raise ValueError("linear: is_causal=True cannot be combined with decay (it weighs keys on both sides of the query)")
+        rope = None if self.rope is None else self.rope(grid, self.num_prefix_tokens, q)
+        if self.spatial_decay is not None:
+            out = decayed_linear_attn(
+                q, k, v, self.spatial_decay(), grid, self.num_prefix_tokens, feature_map=self.feature_map, rope=rope
+            )
+        else:
+            out = linear_attn(
+                q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size, rope=rope
+            )
         if self.dwconv is None:
             return out
         # (B, N, C): a view when the op's output is token-major, a copy otherwise (the plain path)
         merged = self._add_locality(merge_heads(out), merge_heads(v), grid)
         return split_heads(merged, self.num_heads)
+
+    def rotate(self, q, k, grid) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unchanged: :meth:`mix` hands the rope table to the op, which rotates the features of the
+        numerator only."""
+        return q, k
 
     def _add_locality(self, out: torch.Tensor, values: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
         """Adds the depthwise convolution of the patch values over the grid to the patch outputs, in place.
@@ -109,9 +152,14 @@ class LinearAttention(GridAttention):
     @classmethod
     def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
         """``2 N C (2 d + 1)``: phi(K)^T V is ``2 N d^2`` per head, phi(Q) [KV | sum phi(K)] ``2 N d (d + 1)``;
+        with ``decay``, instead, the products of :func:`visattn.ops.linear.decayed_linear_flops` per head;
         plus ``2 M C k^2`` for the depthwise k x k convolution over the M patches (``dwconv_kernel``)."""
         n, c = layout.num_tokens, num_heads * head_dim
-        flops = 2 * n * c * (2 * head_dim + 1)
+        if check_decay_option(options.get("decay"), cls.name) is None:
+            flops = 2 * n * c * (2 * head_dim + 1)
+        else:
+            rotated = options.get("rope") is not None
+            flops = num_heads * decayed_linear_flops(layout.grid, layout.num_prefix_tokens, head_dim, rotated=rotated)
         kernel = options["dwconv_kernel"]
         if kernel:
             flops += 2 * layout.num_patches * c * kernel**2
@@ -120,9 +168,18 @@ class LinearAttention(GridAttention):
     @classmethod
     def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
         """Token blocks of fp32 work stay small; the output is the only N x C tensor. The backward keeps q,
-        k, v (the qkv output) and the (d, d + 1) state, and recomputes the feature maps."""
+        k, v (the qkv output) and the (d, d + 1) state, and recomputes the feature maps.
+
+        With ``decay``, fp32 copies of N x (C + heads) values: the forward holds about eight (the feature
+        maps, [V, 1], their grid copies, the numerators and normalizers, the output) and the column states
+        of the heads (six tensors of W d (d + 1) values per head, at most); the backward keeps about six
+        (the feature maps' inputs, their grid copies, the numerators and normalizers)."""
         n, c = layout.num_tokens, num_heads * head_dim
         infer, train = n * c * act_bytes, 3 * n * c * act_bytes
+        if check_decay_option(options.get("decay"), cls.name) is not None:
+            states = 6 * num_heads * layout.grid[1] * head_dim * (head_dim + 1)
+            infer += (8 * n * (c + num_heads) + states) * 4
+            train += 6 * n * (c + num_heads) * 4
         if options["dwconv_kernel"]:
             infer += 3 * layout.num_patches * c * act_bytes
             train += 2 * layout.num_patches * c * act_bytes

@@ -27,6 +27,10 @@ class LinformerAttention(GridAttention):
             Hr * Wr is accepted: the pooled initialisation then overlaps neighbouring blocks, but the
             projection has at most Hr * Wr independent rows, so such a k only adds cost.
         ref_grid: (Hr, Wr), the grid the projections are defined on; a model passes its own patch grid.
+        rope: None only. A projected key is a learned mixture of the keys of all patch positions, so it
+            has no position of its own for a rotation to be relative to: rotating the keys before the
+            projection would give scores that mix relative offsets with E's absolute weights, and it would
+            rule out projecting the tokens before the key projection.
     """
 
     name = "linformer"
@@ -39,8 +43,14 @@ class LinformerAttention(GridAttention):
         *,
         k: int = 256,
         ref_grid: tuple[int, int] = (14, 14),
+        rope: str | None = None,
         **contract: Any,
     ) -> None:
+        if rope is not None:
+            raise ValueError(
+                f"linformer: rope={rope!r} is not supported: its projected keys mix all patch positions, so they "
+                "have no position to rotate by; use rope=None or another type"
+            )
         super().__init__(dim, num_heads, **contract)
         init = area_pooling_projection(k, ref_grid)  # validates k and ref_grid
         self.k = k

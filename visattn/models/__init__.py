@@ -1,6 +1,6 @@
 """timm integration: the registered visattn ViTs, :func:`convert` for existing timm ViTs, and ``attn="auto"``."""
 from visattn.models.auto import select_attention
-from visattn.models.convert import PatchGridHook, convert
+from visattn.models.convert import TIMM_ATTENTION, PatchGridHook, convert
 from visattn.models.create import LoadReport, create_model, load_weights
 from visattn.models.shapes import MODEL_SHAPES
 from visattn.models.vit import visattn_vit_base_patch16, visattn_vit_small_patch16, visattn_vit_tiny_patch16
@@ -9,6 +9,7 @@ __all__ = [
     "LoadReport",
     "MODEL_SHAPES",
     "PatchGridHook",
+    "TIMM_ATTENTION",
     "convert",
     "create_model",
     "load_weights",

@@ -1,9 +1,17 @@
-"""``attn="auto"``: the fastest attention type for a model and an image size.
+"""``attn="auto"``: the fastest attention type for a model, an image size and a batch size.
 
-The choice depends on the number of patch tokens. It comes from a calibration measured on this machine
-(``visattn-bench --calibrate`` writes ``calibration.json`` under ``$XDG_CACHE_HOME/visattn``, by default
-``~/.cache/visattn``) or, for a model without calibration, from :data:`DEFAULT_THRESHOLDS`. Only speed
-is considered; the types differ in what they can learn, which the caller may weigh differently.
+The choice depends on the number of patch tokens and on the batch size. It comes from a calibration
+measured on this machine (``visattn-bench --calibrate`` writes ``calibration.json`` under
+``$XDG_CACHE_HOME/visattn``, by default ``~/.cache/visattn``) or, for a model without calibration, from
+:data:`DEFAULT_CALIBRATION` (batch 1). Only speed is considered; the types differ in what they can learn,
+which the caller may weigh differently.
+
+Batch sizes: a calibration holds token thresholds per measured batch size (``visattn-bench --calibrate
+--batch-size 1 16`` measures two; a later run at another batch size adds its own, as long as mode, device
+and dtype agree). A model is chosen for with the thresholds of the calibrated batch size nearest to its
+own (by ratio: 16 is nearer 64 than 1), so calibrate at the batch size you run at. A batch size or a
+token count outside the calibrated range is still served, by the nearest batch size's thresholds, and
+logged as a warning.
 
 The choice is made once, when the model is built, for the image size it is built with
 (``timm.create_model(..., img_size=...)``). It does not follow the grid of later inputs
@@ -18,7 +26,8 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -28,13 +37,28 @@ from visattn.models.shapes import MODEL_SHAPES, patch_grid
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
+# A model's calibration holds one setting; its batch sizes are merged only within it.
+SETTING_KEYS = ("mode", "device", "dtype")
+
+
+@dataclass(frozen=True)
+class BatchCalibration:
+    """The thresholds measured at one batch size: ``(from this many patch tokens on, use this type)``,
+    ascending from 0, and the smallest and largest token counts they were measured at."""
+
+    thresholds: tuple[tuple[int, str], ...]
+    tokens: tuple[int, int]
+    # the measurements behind them, kept in the file for reference: {tokens: {type: seconds per image}}
+    seconds_per_image: Mapping[int, Mapping[str, float]] = field(default_factory=dict, compare=False)
+
 
 # (from this many patch tokens on, use this type), ascending: the calibration of ViT-S/16 that
 # `visattn-bench --sizes 224 384 512 1024 2048 --train-sizes 224 384 512 1024 --calibrate` writes on a
-# 2-core CPU (fp32, batch 1, training steps), the README's benchmark run; each switch sits at the geometric
-# midpoint of the two measured sizes around it.
+# 2-core CPU (fp32, batch 1, training steps at 196 to 4,096 tokens), the README's benchmark run; each
+# switch sits at the geometric midpoint of the two measured sizes around it.
 DEFAULT_THRESHOLDS: tuple[tuple[int, str], ...] = ((0, "softmax"), (336, "linear"), (2048, "linformer"))
+DEFAULT_CALIBRATION: dict[int, BatchCalibration] = {1: BatchCalibration(DEFAULT_THRESHOLDS, (196, 4096))}
 
 # The types auto chooses among: every attention of the registry; "floor" mixes no tokens.
 NOT_CHOSEN = frozenset({"floor"})
@@ -90,23 +114,54 @@ def thresholds_from_timings(seconds_per_image: Mapping[int, Mapping[str, float]]
     return thresholds
 
 
+def calibration_from_timings(seconds_per_image: Mapping[int, Mapping[str, float]]) -> BatchCalibration:
+    """The calibration of one batch size: :func:`thresholds_from_timings` and the token counts measured."""
+    measured = [t for t, times in seconds_per_image.items() if any(name not in NOT_CHOSEN for name in times)]
+    thresholds = thresholds_from_timings(seconds_per_image)
+    return BatchCalibration(tuple(thresholds), (min(measured), max(measured)), seconds_per_image)
+
+
 def save_calibration(
     model_name: str,
-    thresholds: list[tuple[int, str]],
+    batches: Mapping[int, BatchCalibration],
     details: Mapping[str, Any],
     path: Path | None = None,
 ) -> Path:
-    """Write (or replace) the calibration of ``model_name``; other models' entries are kept."""
+    """Write the calibration of ``model_name`` at the batch sizes of ``batches``; other models' entries are
+    kept, and so are this model's other batch sizes where ``details`` agree on mode, device and dtype
+    (else they are dropped: a calibration holds one setting). A file that cannot be read is replaced."""
     path = path or calibration_path()
-    data = _read(path) if path.exists() else {"version": CALIBRATION_VERSION, "models": {}}
+    data = {"version": CALIBRATION_VERSION, "models": {}}
+    if path.exists():
+        try:
+            data = _read(path)
+        except (ValueError, OSError) as err:
+            logger.warning("replacing unusable calibration file %s (%s)", path, err)
+    entry = data["models"].get(model_name, {})
+    same_setting = all(entry.get(key) == details.get(key) for key in SETTING_KEYS)
+    kept = entry.get("batches", {}) if same_setting else {}
+    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     data["models"][model_name] = {
-        "thresholds": [[int(t), name] for t, name in thresholds],
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **details,
+        "batches": {
+            **kept,
+            **{str(b): _batch_entry(c, created) for b, c in batches.items()},
+        },
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
+
+
+def _batch_entry(calibration: BatchCalibration, created: str) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "thresholds": [[int(t), name] for t, name in calibration.thresholds],
+        "tokens": list(calibration.tokens),
+        "created": created,
+    }
+    if calibration.seconds_per_image:
+        entry["seconds_per_image"] = {str(t): dict(v) for t, v in sorted(calibration.seconds_per_image.items())}
+    return entry
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -116,42 +171,87 @@ def _read(path: Path) -> dict[str, Any]:
     return data
 
 
-def _calibrated_thresholds(model_name: str, path: Path) -> list[tuple[int, str]] | None:
-    """The calibrated thresholds of ``model_name``, or None (with a warning if the file is unusable)."""
+def _batch_calibration(entry: Mapping[str, Any]) -> BatchCalibration:
+    thresholds = tuple(sorted((int(t), str(name)) for t, name in entry["thresholds"]))
+    unknown = [name for _, name in thresholds if name not in list_attentions()]
+    if unknown:
+        raise ValueError(f"unknown attention type(s) {', '.join(unknown)}")
+    if not thresholds or thresholds[0][0] != 0:
+        raise ValueError("the thresholds must start at 0 tokens")
+    low, high = (int(t) for t in entry["tokens"])
+    if not 0 < low <= high:
+        raise ValueError(f"measured tokens must be 0 < smallest <= largest, got {low}, {high}")
+    return BatchCalibration(thresholds, (low, high))
+
+
+def _calibrated(model_name: str, path: Path) -> dict[int, BatchCalibration] | None:
+    """The calibration of ``model_name`` by batch size, or None (with a warning if the file is unusable)."""
     if not path.exists():
         return None
     try:
         entry = _read(path)["models"].get(model_name)
         if entry is None:
             return None
-        thresholds = [(int(t), str(name)) for t, name in entry["thresholds"]]
-        unknown = [name for _, name in thresholds if name not in list_attentions()]
-        if unknown:
-            raise ValueError(f"unknown attention type(s) {', '.join(unknown)}")
-        if min(thresholds, default=(1, ""))[0] != 0:
-            raise ValueError("the thresholds must start at 0 tokens")
+        batches = {int(b): _batch_calibration(c) for b, c in entry["batches"].items()}
+        if not batches or min(batches) < 1:
+            raise ValueError("no batch size >= 1 calibrated")
     except (ValueError, KeyError, TypeError) as err:
         logger.warning("ignoring calibration %s for %s (%s); using the built-in defaults", path, model_name, err)
         return None
-    return sorted(thresholds)
+    return batches
+
+
+def nearest_batch_size(calibrated: Iterable[int], batch_size: int) -> int:
+    """The calibrated batch size nearest to ``batch_size`` by ratio (log scale: 16 is nearer 64 than 1);
+    of two equally near, the smaller."""
+    return min(calibrated, key=lambda b: (abs(math.log(b / batch_size)), b))
+
+
+def check_auto_batch_size(attn: Any, auto_batch_size: int | None) -> None:
+    """ValueError unless ``auto_batch_size`` is None, or a positive int given with ``attn="auto"``."""
+    if auto_batch_size is None:
+        return
+    if not isinstance(attn, str) or attn != "auto":
+        raise ValueError(f"auto_batch_size applies to attn='auto' only, got attn={attn!r}")
+    if isinstance(auto_batch_size, bool) or not isinstance(auto_batch_size, int) or auto_batch_size < 1:
+        raise ValueError(f"auto_batch_size must be an int >= 1, got {auto_batch_size!r}")
 
 
 def select_attention(
-    model_name: str, img_size: tuple[int, int], patch_size: tuple[int, int] | None = None
+    model_name: str, img_size: tuple[int, int], patch_size: tuple[int, int] | None = None, batch_size: int = 1
 ) -> str:
-    """The fastest attention type for ``model_name`` on images of ``img_size`` (height, width) pixels.
+    """The fastest attention type for ``model_name`` on images of ``img_size`` (height, width) pixels, in
+    batches of ``batch_size``.
 
     The choice goes by patch tokens, counted with ``patch_size`` (a model built with another patch size
-    than its name's) or else the name's. Uses this machine's calibration of the model if there is one,
-    else :data:`DEFAULT_THRESHOLDS`; the choice is logged at INFO level.
+    than its name's) or else the name's, with the thresholds calibrated at the batch size nearest to
+    ``batch_size`` (:func:`nearest_batch_size`). Uses this machine's calibration of the model if there
+    is one, else :data:`DEFAULT_CALIBRATION`. The choice is logged at INFO level; a batch size or token
+    count outside the range the calibration measured is logged as a WARNING.
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     tokens = num_patch_tokens(model_name, img_size, patch_size)
     path = calibration_path()
-    thresholds = _calibrated_thresholds(model_name, path)
-    source = f"calibration {path}" if thresholds else "built-in defaults"
-    choice = [name for min_tokens, name in (thresholds or DEFAULT_THRESHOLDS) if tokens >= min_tokens][-1]
+    batches = _calibrated(model_name, path)
+    source = f"calibration {path}" if batches else "built-in defaults"
+    batches = batches or DEFAULT_CALIBRATION
+    nearest = nearest_batch_size(batches, batch_size)
+    calibration = batches[nearest]
+    choice = [name for min_tokens, name in calibration.thresholds if tokens >= min_tokens][-1]
     logger.info(
-        "attn='auto': %r for %s at %dx%d px (%d patch tokens), from %s",
-        choice, model_name, img_size[0], img_size[1], tokens, source,
+        "attn='auto': %r for %s at %dx%d px (%d patch tokens), from %s at batch %d (asked: batch %d)",
+        choice, model_name, img_size[0], img_size[1], tokens, source, nearest, batch_size,
     )
+    outside = []
+    if not min(batches) <= batch_size <= max(batches):
+        outside.append(f"batch {batch_size} (calibrated: batch {', '.join(map(str, sorted(batches)))})")
+    low, high = calibration.tokens
+    if not low <= tokens <= high:
+        outside.append(f"{tokens} patch tokens (measured at batch {nearest}: {low} to {high})")
+    if outside:
+        logger.warning(
+            "attn='auto' for %s extrapolates %r beyond what the %s measured: %s",
+            model_name, choice, source, "; ".join(outside),
+        )
     return choice

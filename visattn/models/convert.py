@@ -46,6 +46,9 @@ from visattn.layers import GridAttention, get_attention, list_attentions
 
 # Submodules every layer shares with timm's Attention; they move as they are into the new layer.
 CARRIED_MODULES = ("qkv", "q_norm", "k_norm", "norm", "proj")
+# The ``attn`` name, beside the registry's, that keeps timm's own Attention: the reference the visattn types
+# are measured against. Never a registry name.
+TIMM_ATTENTION = "timm"
 
 
 class PatchGridHook:
@@ -105,6 +108,20 @@ def convert(model: nn.Module, attn: str | Sequence[str] = "linear", **attn_kwarg
     for block, layer in zip(blocks, new_layers):
         block.attn = layer
     _install_grid_hook(model, new_layers)
+    return model
+
+
+def keep_timm_attention(model: VisionTransformer, attn_kwargs: Mapping[str, Any]) -> VisionTransformer:
+    """``model`` as timm built it, for ``attn="timm"``: timm's ``Attention`` in every block, no grid hook.
+
+    Raises:
+        ValueError: ``attn_kwargs`` given; timm's Attention takes its options (``qk_norm``, ...) as model keywords.
+    """
+    if attn_kwargs:
+        raise ValueError(
+            f"attn={TIMM_ATTENTION!r} keeps timm's Attention, which takes no attention options; got "
+            f"{', '.join(map(str, attn_kwargs))} (timm's own, such as qk_norm, are model keywords)"
+        )
     return model
 
 
@@ -229,13 +246,13 @@ def _check_source(old: nn.Module, index: int) -> None:
 
 def _check_patch_drop(model: VisionTransformer, layers: list[GridAttention]) -> None:
     drops_patches = isinstance(model.patch_drop, PatchDropout) and model.patch_drop.prob > 0
-    gridded = sorted({layer.name for layer in layers if layer.needs_grid})
+    gridded = sorted({layer.name for layer in layers if layer.needs_grid or layer.rope is not None})
     if drops_patches and gridded:
         gridless = [name for name in list_attentions() if get_attention(name).needs_grid is False]
         raise ValueError(
             f"patch_drop_rate={model.patch_drop.prob} drops patch tokens, so there is no patch grid for "
             f"{', '.join(gridded)}; use patch_drop_rate=0 or a type that does not need the grid "
-            f"(e.g. {', '.join(gridless)})"
+            f"(e.g. {', '.join(gridless)}, without rope)"
         )
 
 

@@ -24,8 +24,8 @@ import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from visattn.models.auto import select_attention
-from visattn.models.convert import CARRIED_MODULES, convert
+from visattn.models.auto import check_auto_batch_size, select_attention
+from visattn.models.convert import CARRIED_MODULES, TIMM_ATTENTION, convert, keep_timm_attention
 from visattn.models.shapes import MODEL_SHAPES
 
 HEAD_PREFIX = "head."
@@ -36,31 +36,40 @@ def create_model(
     attn: str | Sequence[str] = "linear",
     attn_kwargs: dict[str, Any] | None = None,
     pretrained: bool = False,
+    auto_batch_size: int | None = None,
     **kwargs: Any,
 ) -> VisionTransformer:
     """``timm.create_model(model_name, **kwargs)`` with ``attn`` in every block.
 
     Args:
         model_name: a ``visattn_vit_*`` name, or a timm model name whose class is ``VisionTransformer``.
-        attn: one name of :func:`visattn.list_attentions`, one per block, or ``"auto"``
-            (:func:`visattn.models.auto.select_attention` from the name and the image size).
+        attn: one name of :func:`visattn.list_attentions`, one per block, ``"auto"``
+            (:func:`visattn.models.auto.select_attention` from the name, the image size and ``auto_batch_size``),
+            or ``"timm"``: timm's own ``Attention`` kept, the stock model (no ``attn_kwargs``).
         attn_kwargs: type options, as in :func:`convert`.
         pretrained: timm's pretrained weights (loaded into the stock model, then converted).
+        auto_batch_size: with ``attn="auto"``, the images per step the model will run at (default 1).
         **kwargs: any keyword of timm's ``VisionTransformer`` (``img_size``, ``patch_size``, ``num_classes``, ...).
     Returns:
-        The converted model.
+        The converted model (for ``"timm"``, the model as timm built it).
     Raises:
-        ValueError: an unknown model name, or one whose class is not timm's ``VisionTransformer``.
+        ValueError: an unknown model name, or one whose class is not timm's ``VisionTransformer``;
+            ``auto_batch_size`` without ``attn="auto"``; ``attn_kwargs`` with ``"timm"``.
     """
     attn_kwargs = dict(attn_kwargs or {})
+    check_auto_batch_size(attn, auto_batch_size)
     if model_name in MODEL_SHAPES:
-        return timm.create_model(model_name, pretrained=pretrained, attn=attn, attn_kwargs=attn_kwargs, **kwargs)
+        return timm.create_model(
+            model_name, pretrained=pretrained, attn=attn, attn_kwargs=attn_kwargs, auto_batch_size=auto_batch_size, **kwargs
+        )
     check_vit_name(model_name)
     model = timm.create_model(model_name, pretrained=pretrained, **kwargs)
+    if attn == TIMM_ATTENTION:
+        return keep_timm_attention(model, attn_kwargs)
     names = attn
     if attn == "auto":
         embed = model.patch_embed
-        names = select_attention(model_name, tuple(embed.img_size), tuple(embed.patch_size))
+        names = select_attention(model_name, tuple(embed.img_size), tuple(embed.patch_size), auto_batch_size or 1)
     return convert(model, names, **attn_kwargs)
 
 

@@ -8,8 +8,9 @@
 Every keyword of timm's ``VisionTransformer`` passes through (``img_size`` as int or (H, W),
 ``patch_size``, ``reg_tokens``, ``class_token``, ``global_pool``, ``dynamic_img_size``,
 ``drop_path_rate``, ...). ``attn`` is one name of :func:`visattn.list_attentions`, a list with one name
-per block, or ``"auto"`` (chosen by :func:`visattn.models.auto.select_attention` from the model name and image
-size); ``attn_kwargs`` holds the type options, as in :func:`visattn.convert`.
+per block, ``"timm"`` (timm's own ``Attention`` kept: the stock model, the reference), or ``"auto"`` (chosen by :func:`visattn.models.auto.select_attention` from the model name, the image
+size and ``auto_batch_size``, the images per step the model will run at, default 1); ``attn_kwargs`` holds
+the type options, as in :func:`visattn.convert`.
 
 No weights are published: ``pretrained=True`` loads a local file, built with the same ``attn``::
 
@@ -28,8 +29,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from visattn.models.auto import select_attention
-from visattn.models.convert import convert
+from visattn.models.auto import check_auto_batch_size, select_attention
+from visattn.models.convert import TIMM_ATTENTION, convert, keep_timm_attention
 from visattn.models.shapes import MODEL_SHAPES
 
 
@@ -58,6 +59,7 @@ def _create_visattn_vit(
     pretrained: bool = False,
     attn: str | Sequence[str] = "linear",
     attn_kwargs: dict[str, Any] | None = None,
+    auto_batch_size: int | None = None,
     **kwargs: Any,
 ) -> VisionTransformer:
     """timm's VisionTransformer built through ``build_model_with_cfg`` and converted before any weights load."""
@@ -65,14 +67,17 @@ def _create_visattn_vit(
         raise ValueError(
             f"{variant}: choose the attention with attn= (a name of visattn.list_attentions()), not attn_layer="
         )
+    check_auto_batch_size(attn, auto_batch_size)
     attn_kwargs = dict(attn_kwargs or {})
 
     def build(**model_kwargs: Any) -> VisionTransformer:
         model = VisionTransformer(**model_kwargs)
+        if attn == TIMM_ATTENTION:
+            return keep_timm_attention(model, attn_kwargs)
         names = attn
         if attn == "auto":
             embed = model.patch_embed
-            names = select_attention(variant, tuple(embed.img_size), tuple(embed.patch_size))
+            names = select_attention(variant, tuple(embed.img_size), tuple(embed.patch_size), auto_batch_size or 1)
         return convert(model, names, **attn_kwargs)
 
     out_indices = kwargs.pop("out_indices", 3)

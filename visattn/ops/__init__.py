@@ -7,9 +7,11 @@ bare type names (``visattn.ops.linear`` and the like), which now name the module
 from visattn._moved import moved_attributes
 from visattn.ops.axial import axial_attn, naive_axial_attn, packed_axial_attn
 from visattn.ops.linear import (
+    decayed_linear_attn,
     fused_qkv_linear_attn,
     linear_attn,
     linear_attn_step,
+    naive_decayed_linear_attn,
     naive_linear_attn,
     packed_linear_attn,
 )
@@ -21,12 +23,14 @@ from visattn.ops.sparse import naive_sparse_attn, sparse_attn
 
 __all__ = [
     "axial_attn",
+    "decayed_linear_attn",
     "fused_qkv_linear_attn",
     "linear_attn",
     "linear_attn_step",
     "linformer_attn",
     "longformer_attn",
     "naive_axial_attn",
+    "naive_decayed_linear_attn",
     "naive_linear_attn",
     "naive_linformer_attn",
     "naive_longformer_attn",

@@ -24,6 +24,10 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     # visattn.ops.linear_attn: the blocked autograd function (non-causal, CPU), plain batched matmuls
     # (non-causal; other devices, and what a compiler fuses), the chunked causal product (causal)
     "linear": ("blocked", "plain", "chunk"),
+    # visattn.ops.decayed_linear_attn: gradients by running the tiled product again (each gradient is one
+    # such product; training keeps only its inputs), or by autograd through the tiled product (faster; on a
+    # grid of several tiles it keeps about as much as a d x d state per token and head)
+    "decayed_linear": ("rerun", "autograd"),
     # the linear layer's qkv projection + mixing: fused block by block (inference), the blocked op on
     # the packed projection (training), or the projection split into heads, then linear_attn
     "linear_projection": ("fused_qkv", "packed", "split"),
@@ -83,21 +87,31 @@ def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def choose_linear_backend(t: torch.Tensor, causal: bool) -> str:
+def choose_linear_backend(t: torch.Tensor, causal: bool, rotated: bool = False) -> str:
     """Causal: the chunked product. Non-causal on the CPU: the blocked autograd function, whose
-    cache-sized blocks pay on a CPU. Elsewhere, and inside a compiled graph: the plain batched matmuls,
-    which GPU kernels run whole and a compiler fuses with the feature maps."""
+    cache-sized blocks pay on a CPU. Elsewhere, inside a compiled graph and with a rope table
+    (``rotated``, which only the plain matmuls apply): the plain batched matmuls, which GPU kernels run
+    whole and a compiler fuses with the feature maps."""
     if causal:
         return "chunk"
-    return "plain" if t.device.type != "cpu" or torch.compiler.is_compiling() else "blocked"
+    return "plain" if rotated or t.device.type != "cpu" or torch.compiler.is_compiling() else "blocked"
 
 
-def choose_linear_projection_backend(t: torch.Tensor, causal: bool, has_qk_norm: bool) -> str:
-    """Causal, compiled or off the CPU: split the projection and call the op (the fused and packed
-    paths walk the CPU's cache-sized blocks). Without autograd, fuse the projection with the mixing.
-    With autograd and no q/k norm, run on the packed projection (its gradient comes back in one piece);
-    a q/k norm sits between projection and mixing, so then split."""
-    if causal or t.device.type != "cpu" or torch.compiler.is_compiling():
+def choose_decayed_linear_backend(single_tile: bool) -> str:
+    """Autograd through the tiled product where what it keeps is small, on a grid of a single tile (its
+    N x N scores, N at most the tile's area), and inside a compiled graph (the compiler does not trace the
+    rerun's forward-mode derivative); elsewhere the product run again in the backward, which keeps no
+    d x d state per token."""
+    return "autograd" if single_tile or torch.compiler.is_compiling() else "rerun"
+
+
+def choose_linear_projection_backend(t: torch.Tensor, causal: bool, has_qk_norm: bool, rotated: bool = False) -> str:
+    """Causal, compiled, off the CPU (the fused and packed paths walk the CPU's cache-sized blocks) or
+    ``rotated`` (rope, which the op applies from a table of the split heads): split the projection and
+    call the op. Without autograd, fuse the projection with the mixing. With autograd and no q/k norm,
+    run on the packed projection (its gradient comes back in one piece); a q/k norm sits between
+    projection and mixing, so then split."""
+    if causal or rotated or t.device.type != "cpu" or torch.compiler.is_compiling():
         return "split"
     if not torch.is_grad_enabled():
         return "fused_qkv"

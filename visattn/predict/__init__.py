@@ -9,7 +9,7 @@ Pieces: :mod:`~visattn.predict.run_dir` (what a run directory holds, :func:`load
 :mod:`~visattn.predict.images` (finding and reading images), :mod:`~visattn.predict.predictor`
 (:class:`Predictor`, :func:`predict`), :mod:`~visattn.predict.cli` (the command).
 """
-from visattn.predict.images import UnreadableImageError, find_images, read_image
+from visattn.predict.images import UnreadableImageError, find_images, read_image, to_rgb
 from visattn.predict.predictor import Prediction, Predictor, iter_predictions, load_predictor, predict, resolve_device
 from visattn.predict.run_dir import BEST_WEIGHTS, LAST_WEIGHTS, MODEL_FILE, load_trained_model, read_model_file
 
@@ -28,4 +28,5 @@ __all__ = [
     "read_image",
     "read_model_file",
     "resolve_device",
+    "to_rgb",
 ]

@@ -1,15 +1,21 @@
 """Finding and reading the images to predict: files as given, folders walked for image files.
 
-An image file is one with an extension of torchvision's ``ImageFolder`` (``IMG_EXTENSIONS``, any case);
-it is read as ``ImageFolder`` reads it (``pil_loader``: Pillow, converted to RGB).
+An image file is one with an extension of torchvision's ``ImageFolder`` (``IMG_EXTENSIONS``, any case).
+Training reads its ImageFolder with :func:`read_image` too, so that prediction sees every file as training did:
+Pillow, converted to 8-bit RGB (:func:`to_rgb`: 16-bit grey levels scaled, not clipped).
 """
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
-from torchvision.datasets.folder import IMG_EXTENSIONS, is_image_file, pil_loader
+from torchvision.datasets.folder import IMG_EXTENSIONS, is_image_file
+
+# Pillow modes of 16-bit grey levels: I;16* from 16-bit PNG and TIFF, I (32-bit) where a format widens them.
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 class UnreadableImageError(OSError):
@@ -38,10 +44,32 @@ def find_images(paths: list[str | Path]) -> tuple[list[str], list[tuple[str, str
     return files, problems
 
 
-def read_image(path: str | Path) -> Image.Image:
-    """The image at ``path`` in RGB; UnreadableImageError saying why it cannot be read."""
+def to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` as 8-bit RGB. Pillow converts every mode (grey, palette, CMYK, alpha, ...) but clips 16-bit grey
+    levels to 255, so that all but the darkest pixels turn white; those are scaled instead (0-65535 to 0-255).
+    Mode ``I`` (32-bit integers) is read as 16-bit levels too, as the formats that widen 16-bit grey store
+    it; values outside 0-65535 saturate."""
+    if image.mode not in SIXTEEN_BIT_MODES:
+        return image.convert("RGB")
+    levels = np.asarray(image, dtype=np.float64)  # (H, W)
+    grey = np.clip(np.rint(levels * (255.0 / 65535.0)), 0, 255).astype(np.uint8)
+    return Image.fromarray(grey).convert("RGB")
+
+
+def read_image(path: str | Path, draft: bool = False) -> Image.Image:
+    """The image at ``path`` as 8-bit RGB (:func:`to_rgb`); UnreadableImageError saying why it cannot be read.
+
+    ``draft``: a JPEG is decoded at an eighth of its size (Pillow's ``draft``), which still reads and decodes
+    all of its data, so a damaged file fails as it would at full size, with less pixel work: for a check that
+    does not keep the pixels.
+    """
     try:
-        return pil_loader(path)
+        with open(path, "rb") as handle:
+            image = Image.open(handle)
+            if draft:
+                image.draft(None, (1, 1))
+            image.load()
+            return to_rgb(image)
     except FileNotFoundError:
         reason = "no such file"
     except IsADirectoryError:
@@ -52,6 +80,8 @@ def read_image(path: str | Path) -> Image.Image:
         reason = "not an image file Pillow can read" + (" (empty file)" if os.path.getsize(path) == 0 else "")
     except Image.DecompressionBombError as error:
         reason = str(error)
-    except OSError as error:  # e.g. a truncated file
-        reason = f"cannot decode: {error}"
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as error:
+        # what Pillow's decoders raise for damaged data: OSError for a truncated file or a broken stream,
+        # SyntaxError for a broken PNG chunk, the others for malformed headers and tiles
+        reason = f"cannot decode: {' '.join(str(error).split()) or type(error).__name__}"
     raise UnreadableImageError(reason)

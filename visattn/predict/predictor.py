@@ -19,7 +19,7 @@ import torch.nn as nn
 from PIL import Image
 from timm.data import create_transform, resolve_model_data_config
 
-from visattn.predict.images import UnreadableImageError, read_image
+from visattn.predict.images import UnreadableImageError, read_image, to_rgb
 from visattn.predict.run_dir import MODEL_FILE, load_trained_model, missing_run_info, read_model_file
 
 DEFAULT_BATCH_SIZE = 32
@@ -132,7 +132,7 @@ def iter_predictions(
         tensors: list[torch.Tensor] = []  # each (3, H, W)
         for item in chunk:
             try:
-                image = item.convert("RGB") if isinstance(item, Image.Image) else read_image(item)
+                image = to_rgb(item) if isinstance(item, Image.Image) else read_image(item)
             except UnreadableImageError as error:
                 errors.append(str(error))
                 continue

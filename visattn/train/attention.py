@@ -4,20 +4,23 @@ options of the types in use (:func:`visattn.layers.options.options_per_type`), b
 A recipe may carry options for a type that the command line replaces (``--config
 configs/hires_imagefolder.yaml --attn linear``): options keyed by type (``neighborhood: {kernel_size: 7}``)
 are passed over silently, flat options that no type in use accepts are dropped with a notice.
+``attn="timm"`` (timm's own Attention) takes no options: every flat one is dropped with a notice.
 """
 from __future__ import annotations
 
 from visattn.layers.options import options_per_type
+from visattn.models import TIMM_ATTENTION
 from visattn.models.auto import select_attention
 from visattn.train.config import ConfigError, TrainConfig
 
 
 def names_per_block(config: TrainConfig) -> list[str]:
-    """The attention type of each block; ``attn="auto"`` chosen as the model will choose it."""
+    """The attention type of each block; ``attn="auto"`` chosen as the model will choose it, at the run's
+    batch size per process."""
     if config.attn == "auto":
         patch = (config.patch_size, config.patch_size)
         try:
-            return [select_attention(config.model, config.image_hw, patch)] * config.depth
+            return [select_attention(config.model, config.image_hw, patch, config.batch_size)] * config.depth
         except ValueError as error:
             raise ConfigError(f"attn: auto cannot choose for {config.model!r}: {error}") from None
     return [config.attn] * config.depth if isinstance(config.attn, str) else list(config.attn)
@@ -28,10 +31,14 @@ def resolve_attention(config: TrainConfig) -> list[str]:
     (flat for one type, under each type's name for a list: what :func:`visattn.convert` takes). Returns
     one-line notices of the options dropped. Resolving a resolved config changes nothing."""
     names = names_per_block(config)
+    timm_kept = config.attn == TIMM_ATTENTION  # timm's Attention takes no options: every flat one is dropped
     try:
-        per_type, unused = options_per_type(names, config.attn_kwargs)
+        per_type, unused = options_per_type([] if timm_kept else names, config.attn_kwargs)
     except ValueError as error:
         raise ConfigError(f"attn_kwargs: {error}") from None
+    if timm_kept:
+        config.attn_kwargs = {}
+        return [f"attn_kwargs: {key} dropped: {TIMM_ATTENTION} (timm's own Attention) takes no options" for key in unused]
     if isinstance(config.attn, list):
         config.attn, config.attn_kwargs = names, {name: options for name, options in per_type.items() if options}
     else:

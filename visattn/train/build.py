@@ -7,19 +7,23 @@ import math
 import os
 from pathlib import Path
 
+import accelerate
 import torch
 import torch.nn as nn
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, parse_flag_from_env
 from timm.data import Mixup
-from timm.optim import create_optimizer_v2
+from timm.optim import create_optimizer_v2, param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 from torch.utils.data import DataLoader
 
 from visattn.models import create_model
 from visattn.train.config import ConfigError, TrainConfig
-from visattn.train.data import DataError, DataSplits, TransformedDataset, build_transform, load_splits
+from visattn.train.data import (
+    DataError, DataSplits, ImageCheck, TransformedDataset, build_transform, check_images, describe_unreadable, load_splits,
+    without_images,
+)
 
 
 def launched_without_accelerator() -> bool:
@@ -36,7 +40,20 @@ def process_state() -> PartialState:
     return PartialState(cpu=launched_without_accelerator())
 
 
+def check_sharding() -> None:
+    """ConfigError for FSDP (``accelerate launch`` with an FSDP config sets ``ACCELERATE_USE_FSDP``) on a
+    machine without GPU or other accelerator: accelerate chooses FSDP only for accelerator processes and
+    would run CPU processes as plain data parallel (MULTI_CPU, every process holding the whole model),
+    silently, although torch's FSDP itself runs on CPU processes with gloo."""
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.accelerator.is_available():
+        raise ConfigError(
+            f"the FSDP config needs a GPU or other accelerator: on CPU processes accelerate {accelerate.__version__} "
+            "would train without sharding; launch without it (--multi_gpu for several processes)"
+        )
+
+
 def build_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
+    check_sharding()
     return Accelerator(
         cpu=launched_without_accelerator(),
         mixed_precision=config.mixed_precision,
@@ -47,18 +64,34 @@ def build_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
     )
 
 
-def load_data(accelerator: Accelerator, config: TrainConfig, download: bool) -> DataSplits:
-    """The main process loads (and downloads) first; the others then read what it left on disk."""
-    splits, error = None, None
+def load_data(accelerator: Accelerator, config: TrainConfig, download: bool) -> tuple[DataSplits, ImageCheck]:
+    """The splits of ``config``, every image file in them checked (:func:`check_images`).
+
+    The main process loads (and downloads) and checks first; the others then read what it left on disk and
+    take its findings, so that every process stops with the same error or leaves out the same files.
+    Unreadable files stop the run with one line naming them, or with ``skip_bad_images`` are left out.
+    """
+    splits, error, check = None, None, ImageCheck()
     if accelerator.is_main_process:
         try:
             splits = load_splits(config, download)
+            check = check_images(config, splits)
         except DataError as caught:
             error = caught
     accelerator.wait_for_everyone()
+    error, check = broadcast_object_list([error, check])
     if error is not None:
         raise error
-    return splits if splits is not None else load_splits(config, download=False)
+    if splits is None:
+        splits = load_splits(config, download=False)
+    if check.unreadable:
+        if not config.skip_bad_images:
+            raise DataError(
+                f"{describe_unreadable(check.unreadable)}. Fix or remove them, or pass --skip-bad-images to train "
+                "without them"
+            )
+        splits = without_images(splits, check.unreadable)
+    return splits, check
 
 
 def build_model(config: TrainConfig, num_classes: int) -> nn.Module:
@@ -70,9 +103,39 @@ def build_model(config: TrainConfig, num_classes: int) -> nn.Module:
         raise ConfigError(f"model {config.model!r} cannot be built from this config: {error}") from None
 
 
+def no_weight_decay_names(model: nn.Module) -> set[str]:
+    """Parameter names kept out of weight decay: the model's own ``no_weight_decay()`` (timm's ViT: position
+    embedding, class and register tokens) and those of any submodule that declares some (a layer's learned
+    rotary frequencies), prefixed with the submodule's name."""
+    names = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    for prefix, module in model.named_modules():
+        if module is not model and hasattr(module, "no_weight_decay"):
+            names |= {f"{prefix}.{name}" for name in module.no_weight_decay()}
+    return names
+
+
 def build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """timm's optimizer, its parameter groups as timm forms them (with ``layer_decay`` in ``opt_kwargs``,
+    per layer) but with every name of :func:`no_weight_decay_names` kept out of weight decay."""
+    kwargs = dict(config.opt_kwargs)
+    layer_decay = {key: kwargs.pop(key) for key in ("layer_decay", "layer_decay_min_scale", "layer_decay_no_opt_scale") if key in kwargs}
+    if layer_decay.get("layer_decay") is None and len(layer_decay) > ("layer_decay" in layer_decay):
+        extra = sorted(key for key in layer_decay if key != "layer_decay")
+        raise ConfigError(f"opt_kwargs: {', '.join(extra)} without layer_decay has no effect; give layer_decay too, or drop it")
+
+    def param_groups(module: nn.Module) -> list[dict]:
+        names = no_weight_decay_names(module)
+        if layer_decay.get("layer_decay") is None:
+            return param_groups_weight_decay(module, config.weight_decay, no_weight_decay_list=names)
+        return param_groups_layer_decay(
+            module, config.weight_decay, no_weight_decay_list=names, layer_decay=layer_decay["layer_decay"],
+            min_scale=layer_decay.get("layer_decay_min_scale", 0.0), no_opt_scale=layer_decay.get("layer_decay_no_opt_scale"),
+        )
+
     try:
-        return create_optimizer_v2(model, opt=config.opt, lr=config.lr, weight_decay=config.weight_decay, **config.opt_kwargs)
+        return create_optimizer_v2(
+            model, opt=config.opt, lr=config.lr, weight_decay=config.weight_decay, param_group_fn=param_groups, **kwargs
+        )
     except TypeError as error:
         raise ConfigError(f"opt_kwargs: {error}") from None
 

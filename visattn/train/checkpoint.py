@@ -67,7 +67,8 @@ from visattn.train.rundir import (
 __all__ = [
     "CHECKPOINTS", "CONFIG_FILE", "LOCK_FILE", "TRAINER_STATE", "CheckpointError", "RunDirError", "RunLock",
     "check_run_dir", "checkpoint_update", "choose_checkpoint", "is_run_dir", "list_checkpoints", "load_checkpoint",
-    "save_checkpoint", "save_weights", "start_run_dir", "verify_checkpoint", "write_atomically", "write_model_file",
+    "remove_leftovers", "save_checkpoint", "save_weights", "start_run_dir", "verify_checkpoint", "write_atomically",
+    "write_model_file",
 ]
 
 TRAINER_STATE = "trainer_state.json"
@@ -108,7 +109,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, trainer_state: dict
     try:
         if accelerator.is_main_process:
             root.mkdir(parents=True, exist_ok=True)
-            _remove_leftovers(root)
+            remove_leftovers(run_dir)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
@@ -376,9 +377,10 @@ def _files_of(folder: Path) -> list[str]:
     return sorted(name for name in names if name != TRAINER_STATE)
 
 
-def _remove_leftovers(root: Path) -> None:
-    """Delete what an interrupted save or prune left behind (never a complete checkpoint)."""
-    for entry in root.iterdir():
+def remove_leftovers(run_dir: Path) -> None:
+    """Delete what an interrupted save or prune left in ``run_dir``'s checkpoints (never a complete checkpoint):
+    a save does it before it writes, and a resume once it has loaded, for a killed run's last save."""
+    for entry in (run_dir / CHECKPOINTS).iterdir():
         if entry.name.startswith((".tmp-", ".trash-")):
             shutil.rmtree(entry, ignore_errors=True)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from visattn.layers import list_attentions
 from visattn.layers.options import parse_key_values
+from visattn.models import TIMM_ATTENTION
 from visattn.train.attention import resolve_attention
 from visattn.train.rundir import CONFIG_FILE, is_run_dir
 from visattn.train.config import FIELD_TYPES, ConfigError, TrainConfig, changed_keys, check_keys, make_config, read_yaml
@@ -57,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         annotation = FIELD_TYPES[f.name]
         help_text = f.metadata.get("help", "")
         if f.name == "attn":
-            help_text += f": {', '.join(list_attentions())}, or auto (chosen from the model and image size)"
+            help_text += (
+                f": {', '.join(list_attentions())}, auto (chosen from the model and image size), or {TIMM_ATTENTION} "
+                "(timm's own Attention kept: the stock timm ViT of the same shape, the reference)"
+            )
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         help_text += f" (default: {_as_flag_text(default)})"
         if annotation is bool:

@@ -22,6 +22,7 @@ from timm.optim import list_optimizers
 
 from visattn.layers import list_attentions
 from visattn.layers.options import load_yaml
+from visattn.models import TIMM_ATTENTION
 from visattn.train.augment import check_auto_augment
 from visattn.train.datasets import DATASET_SPECS
 from visattn.train.fieldtypes import matches, type_name
@@ -67,7 +68,14 @@ class TrainConfig:
     )
     max_train_samples: int | None = field(default=None, metadata=_help("train on a fixed random subset of this size"))
     max_eval_samples: int | None = field(default=None, metadata=_help("evaluate on a fixed random subset of this size"))
-    num_workers: int = field(default=0, metadata=_help("DataLoader worker processes"))
+    num_workers: int = field(
+        default=0, metadata=_help("DataLoader worker processes (and threads of the image check before training)")
+    )
+    skip_bad_images: bool = field(
+        default=False,
+        metadata=_help("leave out image files that cannot be read (counted, named at the start and end and in "
+                       "summary.json) instead of stopping"),
+    )
     # model
     model: str = field(
         default="visattn_vit_tiny_patch16",
@@ -181,6 +189,8 @@ class TrainConfig:
             "global_pool": self.global_pool,
             "class_token": self.class_token,
             "drop_path_rate": self.drop_path_rate,
+            # attn="auto" chooses for the batch each process steps
+            **({"auto_batch_size": self.batch_size} if self.attn == "auto" else {}),
             **self.model_kwargs,
         }
 
@@ -188,7 +198,7 @@ class TrainConfig:
 # Model keywords that come from their own config keys or from the dataset (num_classes).
 _OWN_MODEL_KEYS = frozenset(
     {"attn", "attn_kwargs", "img_size", "patch_size", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
-     "global_pool", "class_token", "drop_path_rate", "pretrained"}
+     "global_pool", "class_token", "drop_path_rate", "pretrained", "auto_batch_size"}
 )
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(TrainConfig)
 
@@ -269,11 +279,15 @@ def check_values(config: TrainConfig) -> None:
     if isinstance(config.attn, list):
         if len(config.attn) != config.depth:
             raise ConfigError(f"attn: {len(config.attn)} names given for depth={config.depth}; give one name or one per block")
+        if TIMM_ATTENTION in config.attn:
+            raise ConfigError(f"attn: {TIMM_ATTENTION!r} (timm's own Attention) is for every block; give it alone, not per block")
         bad = [name for name in config.attn if name not in valid]
     else:
-        bad = [] if config.attn in valid or config.attn == "auto" else [config.attn]
+        bad = [] if config.attn in valid or config.attn in ("auto", TIMM_ATTENTION) else [config.attn]
     if bad:
-        raise ConfigError(f"attn: unknown attention {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
+        raise ConfigError(
+            f"attn: unknown attention {', '.join(map(repr, bad))}; valid: {', '.join(valid)}, auto, {TIMM_ATTENTION}"
+        )
     if config.pretrained and config.initial_checkpoint is not None:
         raise ConfigError("pretrained and initial_checkpoint exclude each other: start from timm's weights or from the file")
     overlap = sorted(set(config.model_kwargs) & _OWN_MODEL_KEYS)

@@ -2,7 +2,8 @@
 :data:`visattn.train.datasets.DATASET_SPECS`), limited to a fixed subset if asked, and timm's transforms.
 
 Every dataset yields PIL RGB images; timm's ``create_transform`` turns them into tensors, resized to the
-image size the patch grid asks for. Training
+image size the patch grid asks for. The image files a run reads are checked before it starts
+(:func:`check_images`), and those that cannot be read are named or, if asked, left out (:func:`without_images`). Training
 augmentation draws its randomness from a seed fixed by (run seed, epoch, sample index), not from the
 process RNG, so the augmented images do not depend on the number of processes, the number of
 workers, the batch a sample lands in, or whether the run was resumed midway through an epoch.
@@ -10,7 +11,7 @@ workers, the batch a sample lands in, or whether the run was resumed midway thro
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,8 +23,12 @@ from torch.utils.data import Dataset, Subset
 
 from visattn.train.config import TrainConfig
 from visattn.train.datasets import DATASET_SPECS, SPLIT_SEED, DataError, DataSource, DataSplits
+from visattn.train.datasets.image_files import ImageCheck, check_image_files, describe_unreadable, image_samples
 
-__all__ = ["SPLIT_SEED", "DataError", "DataSplits", "TransformedDataset", "build_transform", "load_splits"]
+__all__ = [
+    "SPLIT_SEED", "DataError", "DataSplits", "ImageCheck", "TransformedDataset", "build_transform", "check_images",
+    "describe_unreadable", "load_splits", "without_images",
+]
 
 
 def load_splits(config: TrainConfig, download: bool = False) -> DataSplits:
@@ -42,6 +47,43 @@ def load_splits(config: TrainConfig, download: bool = False) -> DataSplits:
         eval=_fixed_subset(splits.eval, config.max_eval_samples),
         val=None if splits.val is None else _fixed_subset(splits.val, config.max_eval_samples),
         num_classes=splits.num_classes, mean=splits.mean, std=splits.std, classes=splits.classes,
+    )
+
+
+def check_images(config: TrainConfig, splits: DataSplits) -> ImageCheck:
+    """Reads every image file ``splits`` will read once (files remembered from an earlier check as read well
+    and unchanged are skipped), in ``max(1, num_workers)`` threads; what cannot be read is in ``unreadable``.
+    A dataset not read from a list of files (in memory, or a torchvision class with its own list) has none."""
+    files = [path for part in (splits.train, splits.val, splits.eval) if part is not None
+             for path, _ in image_samples(part) or ()]
+    if not files:
+        return ImageCheck()
+    root = DataSource(data_dir=config.data_dir, download=False, eval_fraction=config.eval_fraction).root
+    return check_image_files(files, root, threads=max(1, config.num_workers))
+
+
+def without_images(splits: DataSplits, unreadable: Collection[str]) -> DataSplits:
+    """``splits`` without the images read from the files of ``unreadable``; DataError when that leaves a split
+    without images, or a class without training images."""
+    kept: dict[str, Dataset | None] = {}
+    for name, part in (("train", splits.train), ("validation", splits.val), ("test", splits.eval)):
+        samples = None if part is None else image_samples(part)
+        if samples is None:
+            kept[name] = part
+            continue
+        indices = [index for index, (path, _) in enumerate(samples) if path not in unreadable]
+        if not indices:
+            raise DataError(f"the {name} split has no readable image left: none of its {len(samples)} files can be read")
+        kept[name] = part if len(indices) == len(samples) else Subset(part, indices)
+    train_samples = image_samples(kept["train"]) or []
+    if train_samples:
+        left = {label for _, label in train_samples}
+        lost = [name for label, name in enumerate(splits.named_classes()) if label not in left]
+        if lost:
+            raise DataError(f"once the unreadable files are left out, class(es) {', '.join(lost)} have no training image")
+    return DataSplits(
+        train=kept["train"], eval=kept["test"], val=kept["validation"], num_classes=splits.num_classes,
+        mean=splits.mean, std=splits.std, classes=splits.classes,
     )
 
 

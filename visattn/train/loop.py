@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from visattn.predict import BEST_WEIGHTS, LAST_WEIGHTS, MODEL_FILE
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
 from visattn.train.config import TrainConfig, config_yaml
-from visattn.train.data import DataSplits, eval_data_config
+from visattn.train.data import DataSplits, describe_unreadable, eval_data_config
 
 # The loss and learning rate in the progress bar are refreshed at most this often.
 POSTFIX_SECONDS = 0.5
@@ -140,6 +140,7 @@ class Training:
 
     ``selection_loader`` is evaluated every epoch and chooses the best weights: the validation split
     (``selection_split`` "val"), or the test split (``eval_loader``, "test") for a dataset without one.
+    ``skipped_images``: the image files left out as unreadable (path -> what is wrong), under skip_bad_images.
     """
 
     accelerator: Accelerator
@@ -155,6 +156,7 @@ class Training:
     state: dict[str, Any]
     selection_loader: DataLoader
     selection_split: str
+    skipped_images: dict[str, str] = field(default_factory=dict)
 
 
 def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
@@ -232,18 +234,21 @@ def finish_epoch(run: Training, epoch: int, loss_sum: float, images: int, train_
     """Evaluate on the selection split, log, write the best and last weights, checkpoint the end of ``epoch``."""
     accelerator, state, split = run.accelerator, run.state, run.selection_split
     peak_mib, mem_kind = run_log.peak_memory_mib(accelerator.device)
+    eval_started = time.perf_counter()
     scores = evaluate(accelerator, run.model, run.selection_loader)
+    eval_time = time.perf_counter() - eval_started
     record = dict(
         epoch=epoch + 1, update=state["update"], train_loss=loss_sum / images if images else float("nan"),
         **{f"{split}_{key}": value for key, value in scores.items()},
         lr=run.optimizer.param_groups[0]["lr"], train_images=images, train_time_s=train_time,
-        images_per_s=images / train_time if images else 0.0, peak_mem_mib=peak_mib, mem_kind=mem_kind,
+        images_per_s=images / train_time if images else 0.0, eval_time_s=eval_time, peak_mem_mib=peak_mib,
+        mem_kind=mem_kind,
     )
     state["history"].append(record)
     accelerator.print(
         f"epoch {epoch + 1}: train loss {record['train_loss']:.4f}, {split} loss {scores['loss']:.4f}, "
         f"{split} acc {100 * scores['acc']:.2f}%, {record['images_per_s']:.0f} img/s, lr {record['lr']:.2e}, "
-        f"peak mem {peak_mib:.0f} MiB"
+        f"peak mem {peak_mib:.0f} MiB, {train_time:.1f} s training + {eval_time:.1f} s {split}"
     )
     check_finite_weights(run)
     if state["best_acc"] is None or scores["acc"] > state["best_acc"]:
@@ -278,6 +283,7 @@ def summarize(run: Training, test: dict[str, float], seconds: float) -> dict[str
         images_per_s=sum(r["train_images"] for r in history) / sum(r["train_time_s"] for r in history),
         peak_mem_mib=max(r["peak_mem_mib"] for r in history), mem_kind=history[-1]["mem_kind"],
         wall_time_s=seconds, skipped_updates=run.state.get("skipped_updates", 0),
+        skipped_images=len(run.skipped_images), skipped_image_files=run.skipped_images,
     )
 
 
@@ -292,15 +298,18 @@ def finish_run(run: Training, already_finished: bool, seconds: float) -> dict[st
         summary = summarize(run, test_best_weights(run), seconds)
         if "initial_eval_acc" in run.state:
             summary["initial_acc"] = run.state["initial_eval_acc"]
-        if accelerator.is_main_process:
-            run_log.write_summary(run_dir, summary)
+        if accelerator.is_main_process:  # the summary last: a resume takes a run that has one as finished
             run_log.plot_metrics(run_dir, run.state["history"])
+            run_log.write_summary(run_dir, summary)
     accelerator.print(
         f"test accuracy: {100 * summary['test_acc']:.2f}% ({selection_note(summary)}); "
         f"{summary['images_per_s']:.0f} train img/s; run directory: {run_dir}"
     )
     if summary.get("skipped_updates"):
         accelerator.print(f"{summary['skipped_updates']} update(s) skipped for a non-finite loss or gradient")
+    if summary.get("skipped_images"):
+        accelerator.print(f"left out (--skip-bad-images): {describe_unreadable(summary['skipped_image_files'], listed=3)} "
+                          f"(all of them in {run_log.SUMMARY_FILE})")
     return summary
 
 

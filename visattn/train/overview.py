@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from visattn.train.config import TrainConfig
-from visattn.train.data import DataSplits
+from visattn.train.data import DataSplits, ImageCheck, describe_unreadable
 
 
 def attention_line(names: list[str], auto: bool) -> str:
@@ -19,18 +19,33 @@ def attention_line(names: list[str], auto: bool) -> str:
     return text + (" (the choice of attn=auto for this model and image size)" if auto else "")
 
 
+def image_check_lines(check: ImageCheck) -> list[str]:
+    """How many image files were checked and how fast, and which were left out (under skip_bad_images); none for
+    a dataset without image files."""
+    if not check.checked:
+        return []
+    unchanged = check.checked - check.decoded
+    lines = [
+        f"image files: {check.checked:,} checked in {check.seconds:.1f} s"
+        + (f" ({unchanged:,} unchanged since an earlier check)" if unchanged else "")
+    ]
+    if check.unreadable:
+        lines.append(f"notice: left out (--skip-bad-images): {describe_unreadable(check.unreadable)}")
+    return lines
+
+
 def run_overview(
     config: TrainConfig, splits: DataSplits, model: nn.Module, num_processes: int, batches_per_epoch: int,
-    auto: bool, run_dir: Path, device: torch.device,
+    auto: bool, run_dir: Path, device: torch.device, image_check: ImageCheck,
 ) -> list[str]:
-    """One line each: data, model, attention, schedule, run directory; and a warning when the warm-up does
-    not end within the run."""
+    """One line each: data (and its image files), model, attention, schedule, run directory; and a warning when
+    the warm-up does not end within the run."""
     height, width = config.image_hw
     rows, cols = model.patch_embed.grid_size
     patch_h, patch_w = model.patch_embed.patch_size
     prefix = model.num_prefix_tokens
     params = sum(p.numel() for p in model.parameters())
-    names = [getattr(block.attn, "name", type(block.attn).__name__) for block in model.blocks]
+    names = [getattr(block.attn, "name", f"timm's {type(block.attn).__name__}") for block in model.blocks]  # attn=timm
     global_batch = config.batch_size * num_processes
     updates = -(-batches_per_epoch // config.grad_accum_steps)
     threads = f" ({_count(torch.get_num_threads(), 'CPU thread')} each)" if device.type == "cpu" else ""
@@ -39,6 +54,7 @@ def run_overview(
         f"data: {config.dataset}, {len(splits.train)} train / "
         f"{'no' if splits.val is None else len(splits.val)} validation / {len(splits.eval)} test images, "
         f"{splits.num_classes} classes, resized to {height}x{width}",
+        *image_check_lines(image_check),
         f"model: {config.model}, {params:,} parameters, {rows}x{cols} grid of {patch_h}x{patch_w} patches = "
         f"{rows * cols} tokens" + (f" + {prefix} prefix" if prefix else ""),
         attention_line(names, auto),

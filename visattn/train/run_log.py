@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch
 
-from visattn.train.rundir import write_atomically
+from visattn.train.rundir import RunDirError, os_error_reason, unlink_quietly, write_atomically
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
@@ -62,6 +63,13 @@ def plot_metrics(run_dir: Path, history: list[dict[str, Any]]) -> Path:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     path = run_dir / PLOT_FILE
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tmp = path.with_name(f".tmp-{path.name}")  # whole or not at all, as the other files of a run
+    try:
+        fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, path)
+    except OSError as error:
+        unlink_quietly(tmp)
+        raise RunDirError(f"cannot write {path}: {os_error_reason(error)}") from None
+    finally:
+        plt.close(fig)
     return path

@@ -9,6 +9,7 @@ from visattn.ops._checks import check_positive_int, check_qkv
 from visattn.ops._pieces import pieces
 from visattn.ops.linear.feature_maps import get_feature_map
 from visattn.ops.linear.plain import divide_by_last_column, with_ones_column
+from visattn.ops.rope import apply_rope
 
 
 def _causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -54,12 +55,15 @@ def chunk_linear_attn(
     feature_map: str = "elu",
     chunk_size: int = 64,
     eps: float = 1e-6,
+    rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal linear attention: token i attends to tokens 0..i.
 
     Args:
         q, k, v: (B, heads, N, d).
         chunk_size: tokens per chunk; the result does not depend on it.
+        rope: a rotation table (:mod:`visattn.ops.rope`) for the features of the numerator; the
+            normalizer keeps the unrotated ones, so it is a second causal product.
     Returns:
         (B, heads, N, d), in v's dtype; computed in fp32.
     """
@@ -68,6 +72,11 @@ def chunk_linear_attn(
     phi = get_feature_map(feature_map)
     with torch.autocast(device_type=q.device.type, enabled=False):
         qf, kf, vf = phi(q.float()), phi(k.float()), v.float()
-        num_den = _CausalProduct.apply(qf, kf, with_ones_column(vf), chunk_size)  # (B, h, N, d + 1)
-        out = divide_by_last_column(num_den, eps)
+        if rope is None:
+            num_den = _CausalProduct.apply(qf, kf, with_ones_column(vf), chunk_size)  # (B, h, N, d + 1)
+            return divide_by_last_column(num_den, eps).to(v.dtype)
+        rope = rope.float()
+        num = _CausalProduct.apply(apply_rope(qf, rope), apply_rope(kf, rope), vf, chunk_size)  # (B, h, N, e)
+        den = _CausalProduct.apply(qf, kf, vf.new_ones(*vf.shape[:-1], 1), chunk_size)  # (B, h, N, 1)
+        out = num / den.clamp_min(eps)
     return out.to(v.dtype)

@@ -10,6 +10,7 @@ from visattn.ops.linear.blocked import blocked_linear_attn
 from visattn.ops.linear.chunk import chunk_linear_attn
 from visattn.ops.linear.feature_maps import get_feature_map
 from visattn.ops.linear.plain import plain_linear_attn
+from visattn.ops.rope import check_rope_table
 
 
 def linear_attn(
@@ -21,6 +22,7 @@ def linear_attn(
     chunk_size: int = 64,
     eps: float = 1e-6,
     backend: str | None = None,
+    rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Linear attention.
 
@@ -34,19 +36,27 @@ def linear_attn(
             (:func:`visattn.ops.linear.plain_linear_attn`) when non-causal, ``"chunk"``
             (:func:`visattn.ops.linear.chunk_linear_attn`) when causal; None: chosen by
             :func:`visattn.ops.backends.choose_linear_backend`.
+        rope: a rotation table, (N, 2 d) or (heads, N, 2 d) (:mod:`visattn.ops.rope`): the features are
+            rotated after the feature map, in the numerator only (RoFormer's linear attention,
+            ``sum_j (R_i phi(q_i))^T (R_j phi(k_j)) v_j / sum_j phi(q_i)^T phi(k_j)``), so the normalizer stays
+            positive. Runs on ``"plain"`` (non-causal) or ``"chunk"`` (causal).
     Returns:
         (B, heads, N, d), in v's dtype; computed in fp32.
     """
     check_positive_int(chunk_size, "chunk_size", "linear_attn")
     get_feature_map(feature_map)  # a bad name fails before a path is chosen
-    name = select_backend("linear", backend, lambda: choose_linear_backend(q, causal))
+    if rope is not None:
+        check_rope_table(q, rope, "linear_attn")
+    name = select_backend("linear", backend, lambda: choose_linear_backend(q, causal, rope is not None))
     if causal != (name == "chunk"):
         raise ValueError(
             f"linear_attn: backend {name!r} is {'non-' if causal else ''}causal; causal={causal} needs "
             f"{'chunk' if causal else 'blocked or plain'}"
         )
     if name == "chunk":
-        return chunk_linear_attn(q, k, v, feature_map, chunk_size, eps)
+        return chunk_linear_attn(q, k, v, feature_map, chunk_size, eps, rope)
     if name == "plain":
-        return plain_linear_attn(q, k, v, feature_map, eps)
+        return plain_linear_attn(q, k, v, feature_map, eps, rope)
+    if rope is not None:
+        raise ValueError("linear_attn: backend 'blocked' does not rotate; rope needs 'plain' (or 'chunk' when causal)")
     return blocked_linear_attn(q, k, v, feature_map, eps)

@@ -6,6 +6,7 @@ import torch
 
 from visattn.ops._checks import check_qkv
 from visattn.ops.linear.feature_maps import get_feature_map
+from visattn.ops.rope import apply_rope
 
 
 def with_ones_column(v: torch.Tensor) -> torch.Tensor:
@@ -19,14 +20,27 @@ def divide_by_last_column(num_den: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def plain_linear_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str = "elu", eps: float = 1e-6
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: str = "elu",
+    eps: float = 1e-6,
+    rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``phi(q) (phi(k)^T [v, 1])``, normalised: q, k, v (B, heads, N, d) -> (B, heads, N, d) in v's dtype,
-    computed in fp32. Autograd stores the feature maps (N d per tensor)."""
+    computed in fp32. Autograd stores the feature maps (N d per tensor).
+
+    With a ``rope`` table (:mod:`visattn.ops.rope`), ``R phi(q) ((R phi(k))^T v) / (phi(q) phi(k)^T 1)``:
+    the rotated features in the numerator, the unrotated ones in the normalizer, still O(N d^2)."""
     check_qkv(q, k, v, "plain_linear_attn")
     phi = get_feature_map(feature_map)
     with torch.autocast(device_type=q.device.type, enabled=False):
         qf, kf, vf = phi(q.float()), phi(k.float()), v.float()
-        kv_sum = kf.transpose(-2, -1) @ with_ones_column(vf)  # (B, h, d, e + 1)
-        out = divide_by_last_column(qf @ kv_sum, eps)
+        if rope is None:
+            kv_sum = kf.transpose(-2, -1) @ with_ones_column(vf)  # (B, h, d, e + 1)
+            return divide_by_last_column(qf @ kv_sum, eps).to(v.dtype)
+        rope = rope.float()
+        kv = apply_rope(kf, rope).transpose(-2, -1) @ vf  # (B, h, d, e)
+        den = qf @ kf.sum(dim=-2).unsqueeze(-1)  # (B, h, N, 1)
+        out = (apply_rope(qf, rope) @ kv) / den.clamp_min(eps)
     return out.to(v.dtype)

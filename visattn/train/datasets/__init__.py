@@ -3,6 +3,7 @@ image size, its official splits, how to fetch it).
 
     spec.py      DatasetSpec, DataSplits, DataError, the fixed stratified cut of a missing split
     local.py     what needs no download: the embedded digits, any ImageFolder
+    image_files.py  reading an ImageFolder's files, checking every file a run reads before it starts
     public.py    public datasets through their torchvision classes (CIFAR, STL-10, Flowers-102, Pets, ...)
     generated.py the generated tasks (cluttered-digits, pathfinder), drawn from a seed
 """

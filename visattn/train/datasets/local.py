@@ -17,7 +17,9 @@ from sklearn.model_selection import train_test_split
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from visattn.train.datasets.image_files import load_image
 from visattn.train.datasets.spec import SPLIT_SEED, VAL_FRACTION, DataError, DatasetSpec, DataSplits, split_off
 
 _EVAL_FOLDERS = ("val", "validation", "test")
@@ -73,28 +75,53 @@ def load_imagefolder_splits(data_dir: str, eval_fraction: float) -> DataSplits:
             eval_dirs = [root / name for name in _EVAL_FOLDERS if (root / name).is_dir()]
             if not eval_dirs:
                 raise DataError(f"{root} has train/ but no {', '.join(_EVAL_FOLDERS)} folder to evaluate on.")
-            train = ImageFolder(str(root / "train"))
+            train = _image_folder(root / "train")
             if len(eval_dirs) > 1 and eval_dirs[-1].name == "test":
-                validation, evaluation = ImageFolder(str(eval_dirs[0])), ImageFolder(str(eval_dirs[-1]))
+                validation, evaluation = _image_folder(eval_dirs[0]), _image_folder(eval_dirs[-1])
             else:
-                evaluation = ImageFolder(str(eval_dirs[0]))
+                evaluation = _image_folder(eval_dirs[0])
             for other in (evaluation, validation):
-                if other is not None and other.classes != train.classes:
-                    raise DataError(f"{root / 'train'} and {other.root} do not have the same class folders.")
+                if other is not None:
+                    _check_same_classes(train, other)
             classes = train.classes
         else:
-            full = ImageFolder(str(root))
+            full = _image_folder(root)
             train, evaluation = split_off(full, full.targets, eval_fraction)
             classes = full.classes
         if validation is None:
             train_labels = train.targets if isinstance(train, ImageFolder) else [full.targets[i] for i in train.indices]
             train, validation = split_off(train, train_labels, VAL_FRACTION)
-    except (FileNotFoundError, ValueError) as error:  # ImageFolder: no class folders / no images
+    except (FileNotFoundError, ValueError) as error:  # ImageFolder: no class folders
         raise DataError(f"cannot read image folder {root}: {error}") from None
     return DataSplits(
         train=train, eval=evaluation, val=validation, num_classes=len(classes), mean=IMAGENET_DEFAULT_MEAN,
         std=IMAGENET_DEFAULT_STD, classes=tuple(classes),
     )
+
+
+def _image_folder(folder: Path) -> ImageFolder:
+    """The ImageFolder of ``folder``, read by :func:`load_image`; DataError naming every class folder that
+    holds no image file (torchvision's own error names the class, not the folder)."""
+    dataset = ImageFolder(str(folder), loader=load_image, allow_empty=True)
+    filled = set(dataset.targets)
+    empty = [str(folder / name) for index, name in enumerate(dataset.classes) if index not in filled]
+    if empty:
+        raise DataError(
+            f"class folder(s) without an image file ({', '.join(IMG_EXTENSIONS)}): {', '.join(empty)}. "
+            "Add images or remove the folder(s)"
+        )
+    return dataset
+
+
+def _check_same_classes(train: ImageFolder, other: ImageFolder) -> None:
+    """DataError naming the class folders that only one of ``train`` and ``other`` has."""
+    if other.classes == train.classes:
+        return
+    only = [
+        f"only in {dataset.root}: {', '.join(sorted(set(dataset.classes) - set(rest.classes)))}"
+        for dataset, rest in ((train, other), (other, train)) if set(dataset.classes) - set(rest.classes)
+    ]
+    raise DataError(f"{train.root} and {other.root} do not have the same class folders ({'; '.join(only)})")
 
 
 SPECS = (

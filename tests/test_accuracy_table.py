@@ -1,0 +1,289 @@
+"""scripts/accuracy_table.py: rows, the summary over seeds, the files it writes, reuse and resumption of runs;
+and ``train.py --attn timm``, the table's reference, training timm's own attention."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from timm.layers import Attention
+
+from visattn.layers import GridAttention
+from visattn.predict import load_trained_model
+from visattn.train.config import config_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import train  # noqa: E402  (the script at the repository root)
+
+_spec = importlib.util.spec_from_file_location("accuracy_table", REPO / "scripts" / "accuracy_table.py")
+table = importlib.util.module_from_spec(_spec)
+sys.modules["accuracy_table"] = table  # its dataclasses look their module up there
+_spec.loader.exec_module(table)
+
+# 96 train / 50 validation / 50 test digits at 16x16, patch 4 (4x4 grid): 6 steps of 16 per epoch.
+TINY = [
+    "--max-train-samples", "96", "--max-eval-samples", "50", "--img-size", "16", "--patch-size", "4",
+    "--embed-dim", "16", "--depth", "2", "--num-heads", "2", "--batch-size", "16", "--epochs", "1",
+    "--warmup-epochs", "0",
+]
+
+
+# -- rows -------------------------------------------------------------------------------------------------
+def test_rows_are_types_or_types_with_options():
+    rows = table.parse_rows(["timm,floor", "linear:dwconv_kernel=null,chunk_size=32", "neighborhood:kernel_size=5"])
+    assert [(row.attn, row.options) for row in rows] == [
+        ("timm", {}), ("floor", {}), ("linear", {"dwconv_kernel": None, "chunk_size": 32}),
+        ("neighborhood", {"kernel_size": 5}),
+    ]
+    assert [row.folder for row in rows] == ["timm", "floor", "linear+dwconv_kernel=null+chunk_size=32",
+                                            "neighborhood+kernel_size=5"]
+    assert rows[2].label == "linear (dwconv_kernel=null,chunk_size=32)"
+
+
+@pytest.mark.parametrize(
+    "words, message",
+    [
+        (["nope"], "unknown attention 'nope' in row 'nope'; valid: timm, softmax"),
+        (["timm:qk_norm=true"], "timm (timm's own Attention) takes no options"),
+        (["linear:dwconv_kernel"], "expected KEY=VALUE pairs"),
+        (["floor", "axial,floor"], "rows given twice (or that share a folder): floor"),
+    ],
+)
+def test_bad_rows_are_refused_by_name(words, message):
+    with pytest.raises(ValueError) as caught:
+        table.parse_rows(words)
+    assert message in str(caught.value)
+
+
+def test_flags_the_table_sets_cannot_come_after_the_separator(capsys):
+    with pytest.raises(SystemExit):
+        table.parse_args(["--attn", "floor", "--", "--seed", "3"])
+    assert "after --: --seed set by the table for each run" in capsys.readouterr().err
+
+
+# -- the summary over seeds, the table and its files (synthetic runs) -----------------------------------------
+def synthetic_run(row: str, seed: int, test_acc: float | None, images_per_s: float = 100.0, status: str = "finished",
+                  val_accs: tuple[float, ...] = (0.5, 0.7)) -> table.Run:
+    run = table.Run(table.parse_rows([row])[0], seed, Path("runs") / row / f"seed{seed}", argv=[], status=status)
+    if status == "finished":
+        run.history = [
+            dict(epoch=epoch, val_acc=acc, train_time_s=10.0 * epoch, eval_time_s=1.0, train_images=1000)
+            for epoch, acc in enumerate(val_accs, start=1)
+        ]
+        run.summary = dict(test_acc=test_acc, best_acc=max(val_accs), best_epoch=2, epochs=len(val_accs),
+                           images_per_s=images_per_s, peak_mem_mib=1000.0 + seed, mem_kind="cpu_peak_rss",
+                           wall_time_s=40.0)
+    return run
+
+
+def synthetic_runs() -> list[table.Run]:
+    return [
+        synthetic_run("timm", 0, 0.90, images_per_s=50), synthetic_run("timm", 1, 0.94, images_per_s=60),
+        synthetic_run("timm", 2, 0.93, images_per_s=40),
+        synthetic_run("linear", 0, 0.91, images_per_s=100), synthetic_run("linear", 1, 0.89, images_per_s=120),
+        synthetic_run("linear", 2, None, status="out of memory"),
+        synthetic_run("axial", 0, 0.80, images_per_s=75),
+        synthetic_run("axial", 1, None, status="failed"),
+        synthetic_run("floor", 0, None, status="not run"),
+    ]
+
+
+def recipe():
+    return table.expected_config(["--config", str(REPO / "configs" / "cluttered-digits.yaml")])
+
+
+def test_images_per_second_keep_three_figures():
+    assert [table._rate(value) for value in (None, 1234.5, 123.4, 12.34, 1.234)] == ["—", "1,234", "123", "12.3", "1.23"]
+
+
+def test_rows_sum_up_their_seeds_as_median_and_range():
+    runs = synthetic_runs()
+    rows = table.parse_rows(["timm", "linear", "axial", "floor"])
+    timm, linear, axial, floor = table.summarize_rows(rows, runs)
+    assert (timm.accs, timm.images_per_s, timm.peak_mem_mib, timm.status) == ([0.90, 0.94, 0.93], 50, 1001, "yes")
+    assert table.accuracy_cell(timm) == "93.00% [90.00–94.00] (3)"
+    assert timm.epoch_s == 16.0  # epochs of 10 + 1 and 20 + 1 seconds: median 16, the same on every seed
+    assert (table.accuracy_cell(linear), linear.images_per_s, linear.status) == ("90.00% [89.00–91.00] (2)", 110, "no: out of memory")
+    assert (table.accuracy_cell(axial), axial.status) == ("80.00% (1)", "failed")
+    assert (table.accuracy_cell(floor), floor.images_per_s, floor.status) == ("—", None, "not run yet")
+
+
+def test_markdown_has_every_column_and_the_speedup_over_timm():
+    runs = synthetic_runs()
+    results = table.summarize_rows(table.parse_rows(["timm", "linear", "axial", "floor"]), runs)
+    text = table.markdown(results, runs, recipe(), "python scripts/accuracy_table.py --seeds 0 1 2")
+    lines = text.splitlines()
+    assert lines[0] == (
+        "| attention | test accuracy, median [min–max] (seeds) | train images/s | s per epoch | peak memory (MiB) | "
+        "speed-up over timm | runs at 1,024 tokens |"
+    )
+    assert lines[2] == "| timm | 93.00% [90.00–94.00] (3) | 50.0 | 16.0 | 1,001 | 1.00× | yes |"
+    assert lines[3] == "| linear | 90.00% [89.00–91.00] (2) | 110 | 16.0 | 1,000 | 2.20× | no: out of memory |"
+    assert lines[4] == f"| axial | 80.00% (1) | 75.0 | 16.0 | 1,000 | 1.50× | failed (see `{Path('runs/axial/seed1.log')}`) |"
+    assert lines[5] == "| floor | — | — | — | — | — | not run yet |"
+    assert "`python scripts/accuracy_table.py --seeds 0 1 2`: cluttered-digits at 128×128 px, patch 4 (32×32 grid" in text
+    assert "seeds 0, 1, 2" in text and "peak resident set" in text
+
+
+def test_outputs_are_a_table_a_png_and_every_run_as_json_and_csv(tmp_path):
+    runs = synthetic_runs()
+    results = table.summarize_rows(table.parse_rows(["timm", "linear", "axial", "floor"]), runs)
+    output = tmp_path / "tables" / "cluttered.md"
+    text = table.write_outputs(output, results, runs, recipe(), "python scripts/accuracy_table.py")
+    assert output.read_text() == text
+    assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads(output.with_suffix(".json").read_text())["runs"]
+    assert [(r["row"], r["seed"], r["status"], r["test_acc"]) for r in saved] == [
+        (run.row.text, run.seed, run.status, run.summary["test_acc"] if run.summary else None) for run in runs
+    ]
+    assert [r["val_acc"] for r in saved[0]["history"]] == [0.5, 0.7]
+    with open(output.with_suffix(".csv")) as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["row"] for row in rows] == [run.row.text for run in runs]
+    assert rows[0]["test_acc"] == "0.9" and rows[0]["epoch_time_s"] == "16.0" and rows[5]["status"] == "out of memory"
+
+
+@pytest.mark.parametrize(
+    "returncode, log, expected",
+    [
+        (-9, "", "out of memory"),  # killed by the kernel's OOM killer
+        (1, "RuntimeError: [enforce fail at alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory", "out of memory"),
+        (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "out of memory"),
+        (2, "error: attn_kwargs: unknown option(s) bogus", "failed"),
+    ],
+)
+def test_a_failed_run_says_whether_memory_ran_out(returncode, log, expected):
+    assert table.failure(returncode, log) == expected
+
+
+def test_eta_is_each_rows_mean_time_times_its_runs_left():
+    runs = [synthetic_run(row, seed, None, status="not run") for row in ("timm", "floor") for seed in (0, 1, 2)]
+    assert table.eta_seconds(runs) is None
+    runs[0].seconds, runs[3].seconds = 100.0, 20.0
+    assert table.eta_seconds(runs) == 2 * 100.0 + 2 * 20.0
+    runs[1].action = "reuse"  # finished before: nothing left to do
+    assert table.eta_seconds(runs) == 100.0 + 2 * 20.0
+
+
+# -- reuse and resumption ---------------------------------------------------------------------------------
+def planned(tmp_path: Path, *extra: str) -> tuple[object, list[str], list[table.Run]]:
+    args, train_args = table.parse_args(
+        ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
+         "--output", str(tmp_path / "table.md"), *extra, "--", *TINY]
+    )
+    return args, train_args, table.plan(args, train_args)
+
+
+def finish(run: table.Run, test_acc: float, config=None) -> None:
+    """Leave ``run`` as train.py leaves a finished run: its config, per-epoch records and summary."""
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "config.yaml").write_text(config_yaml(config or table.expected_config(run.argv)))
+    record = dict(epoch=1, val_acc=0.5, train_time_s=2.0, eval_time_s=0.5, train_images=96)
+    (run.run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (run.run_dir / "summary.json").write_text(json.dumps(
+        dict(test_acc=test_acc, best_acc=0.5, best_epoch=1, epochs=1, images_per_s=48.0, peak_mem_mib=800.0,
+             mem_kind="cpu_peak_rss", wall_time_s=3.0)
+    ))
+
+
+def test_finished_runs_of_the_same_config_are_reused_not_retrained(tmp_path, monkeypatch, capsys):
+    _, _, runs = planned(tmp_path)
+    for index, run in enumerate(runs):
+        finish(run, test_acc=0.5 + index / 100)
+    monkeypatch.setattr(table.subprocess, "run", lambda *a, **k: pytest.fail(f"trained again: {a}"))
+    argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
+            "--output", str(tmp_path / "table.md"), "--", *TINY]
+    assert table.main(argv) == 0
+    assert "4 runs: 4 finished before, 0 to train" in capsys.readouterr().out
+    text = (tmp_path / "table.md").read_text()
+    assert "| timm | 51.00% [50.00–52.00] (2) | 48.0 | 2.5 | 800 | 1.00× | yes |" in text  # runs seed by seed
+    assert "| floor | 52.00% [51.00–53.00] (2) |" in text
+
+
+def test_a_changed_config_is_retrained_and_a_stopped_run_resumed(tmp_path):
+    _, _, runs = planned(tmp_path)
+    timm0, floor0, timm1, floor1 = runs  # seed by seed
+    other = table.expected_config(timm0.argv)
+    other.lr = 0.5
+    finish(timm0, 0.5, config=other)
+    assert table.choose_action(timm0, retrain=False) == ("train", "its config differs: lr: 0.5 -> 0.002")
+    bookkeeping = table.expected_config(timm1.argv)
+    bookkeeping.num_workers, bookkeeping.run_dir = 3, "elsewhere"  # where and how a run is kept: still the same run
+    finish(timm1, 0.5, config=bookkeeping)
+    assert table.choose_action(timm1, retrain=False) == ("reuse", "finished with this config")
+    assert table.choose_action(timm1, retrain=True) == ("train", "--retrain")
+    finish(floor0, 0.5)
+    (floor0.run_dir / "summary.json").unlink()  # stopped mid-run: a checkpoint, no summary
+    (floor0.run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)
+    assert table.choose_action(floor0, retrain=False)[0] == "resume"
+    assert table.choose_action(floor1, retrain=False) == ("train", "new")
+
+
+def test_each_run_is_its_own_train_py_process_resumed_or_overwritten(tmp_path, monkeypatch):
+    args, train_args, runs = planned(tmp_path, "--seeds", "4")
+    commands = []
+
+    def fake_train(command, **kwargs):
+        commands.append(command)
+        run_dir = Path(command[command.index("--run-dir") + 1])
+        if not run_dir.exists():
+            finish(next(run for run in runs if run.run_dir == run_dir), 0.75)
+        else:
+            (run_dir / "summary.json").write_text(json.dumps(dict(
+                test_acc=0.75, best_acc=0.5, best_epoch=1, epochs=1, images_per_s=48.0, peak_mem_mib=800.0,
+                mem_kind="cpu_peak_rss", wall_time_s=3.0)))
+        return subprocess.CompletedProcess(command, 0)
+
+    timm, floor = runs
+    finish(floor, 0.5)
+    (floor.run_dir / "summary.json").unlink()
+    (floor.run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)
+    monkeypatch.setattr(table.subprocess, "run", fake_train)
+    argv = ["--attn", "timm", "floor", "--seeds", "4", "--run-root", str(tmp_path / "runs"),
+            "--output", str(tmp_path / "table.md"), "--", *TINY]
+    assert table.main(argv) == 0
+    assert [command[1:] for command in commands] == [
+        [str(REPO / "train.py"), "--config", str(REPO / "configs" / "digits.yaml"), *TINY, "--attn", "timm",
+         "--seed", "4", "--run-dir", str(timm.run_dir), "--overwrite"],
+        [str(REPO / "train.py"), "--config", str(REPO / "configs" / "digits.yaml"), *TINY, "--attn", "floor",
+         "--seed", "4", "--run-dir", str(floor.run_dir), "--resume"],
+    ]
+    assert "| floor | 75.00% (1) |" in (tmp_path / "table.md").read_text()
+
+
+def test_a_rows_options_are_laid_over_the_recipes(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("attn_kwargs: {kernel_size: 5, tile_size: 4}\n")
+    args, train_args = table.parse_args(["--config", str(recipe), "--attn", "neighborhood:tile_size=8", "--", *TINY])
+    (run,) = table.plan(args, train_args)
+    assert table.expected_config(run.argv).attn_kwargs == {"kernel_size": 5, "tile_size": 8}
+
+
+# -- train.py --attn timm: the reference row ------------------------------------------------------------------
+def test_attn_timm_trains_timms_own_attention_and_resumes(tmp_path, capsys):
+    run_dir = tmp_path / "timm"
+    assert train.main([*TINY, "--attn", "timm", "--attn-kwargs", "dwconv_kernel=3", "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "attn_kwargs: dwconv_kernel dropped: timm (timm's own Attention) takes no options" in out
+    assert "attention: timm's Attention in all 2 blocks" in out
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (saved["attn"], saved["attn_kwargs"]) == ("timm", {})
+    assert json.loads((run_dir / "model.json").read_text())["kwargs"]["attn"] == "timm"
+    model = load_trained_model(run_dir)
+    assert [type(block.attn) for block in model.blocks] == [Attention, Attention]
+    assert not any(isinstance(module, GridAttention) for module in model.modules())
+    summary = (run_dir / "summary.json").read_text()
+    assert train.main([*TINY, "--attn", "timm", "--run-dir", str(run_dir), "--resume"]) == 0
+    assert (run_dir / "summary.json").read_text() == summary
+    assert "resuming" not in capsys.readouterr().out  # the saved config is the config resolved again: no change
+
+
+def test_attn_timm_is_for_every_block(tmp_path, capsys):
+    assert train.main([*TINY, "--attn", "timm,softmax", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "attn: 'timm' (timm's own Attention) is for every block; give it alone" in capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""Ratios that hold still: a row's speed against a reference's (``% floor``, ``x timm``) taken round by round.
+
+A shared machine moves single step times by ±10%, and drift moves them together: every row of a point is
+timed in the same interleaved rounds (:mod:`visattn.bench.timing`), so within one round the rows saw the same
+machine. A ratio is therefore formed per round, from the two rows' steps of that round, and reported as
+the median over the rounds with its interquartile range (:class:`Spread`).
+
+Where the two rows were timed in different memory groups (:func:`visattn.bench.memory.groups_that_fit`)
+they share no round; floor, which joins every group, then links them: the ratio's values are every
+quotient of the first row's per-round ratios to floor by the second row's.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from visattn.bench.sweep import Result
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of a ratio over rounds and its interquartile range (``q1`` to ``q3``)."""
+
+    median: float
+    q1: float
+    q3: float
+    rounds: int  # the rounds it rests on (for a ratio linked through floor, the fewer of the two rows')
+
+    def straddles(self, threshold: float) -> bool:
+        """Whether ``threshold`` lies within the interquartile range: the median alone decides on which side."""
+        return self.q1 <= threshold <= self.q3
+
+    def scaled(self, factor: float) -> Spread:
+        return Spread(self.median * factor, self.q1 * factor, self.q3 * factor, self.rounds)
+
+
+def spread(values: Sequence[float], rounds: int | None = None) -> Spread:
+    """Median and interquartile range (inclusive quartiles: of 5 values, the 2nd and 4th) of ``values``;
+    ``rounds`` defaults to their count."""
+    if not values:
+        raise ValueError("spread of no values: at least one round is needed")
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
+    return Spread(statistics.median(values), q1, q3, len(values) if rounds is None else rounds)
+
+
+def per_round_ratios(own: Mapping[int, float], reference: Mapping[int, float], own_batch: int = 1,
+                     reference_batch: int = 1) -> list[float]:
+    """Own rate over the reference's, in each round both ran: (own batch / own seconds) / (reference batch /
+    reference seconds).
+
+    Args:
+        own, reference: {round serial: seconds of the step} of the two rows.
+        own_batch, reference_batch: images per step of each.
+    """
+    return [reference[k] * own_batch / (own[k] * reference_batch) for k in own if k in reference]
+
+
+def _ratios(own: Result, reference: Result) -> list[float]:
+    return per_round_ratios(own.round_times, reference.round_times, own.case.batch_size, reference.case.batch_size)
+
+
+def rate_ratio(own: Result, reference: Result, link: Result | None = None) -> Spread | None:
+    """``own``'s images/s over ``reference``'s, per round (see the module docstring); through ``link``
+    (floor) where the two share no round. None where either did not run or no round connects them."""
+    if not (own.ok and reference.ok):
+        return None
+    paired = _ratios(own, reference)
+    if paired:
+        return spread(paired)
+    if link is None or not link.ok:
+        return None
+    mine, theirs = _ratios(own, link), _ratios(reference, link)
+    if not (mine and theirs):
+        return None
+    return spread([a / b for a in mine for b in theirs], rounds=min(len(mine), len(theirs)))
