@@ -23,8 +23,10 @@ from visattn.bench.flops import ViTShape, attention_options, estimate_memory, mi
 from visattn.bench.sweep import Case, Result, plan_model_sweep, plan_ops_sweep
 from visattn.layers import ATTENTION_LAYERS, GridAttention
 from visattn.layers.cost import MixingMemory, TokenLayout
+from visattn.layers.local import LocalWindowAttention
 from visattn.models import auto
 from visattn.ops.axial import axial_masks
+from visattn.ops.backends import force_backend
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
@@ -33,6 +35,7 @@ TINY_MODEL = ["--model-kwargs", "embed_dim=32", "depth=1", "num_heads=2", "--num
 FAST = ["--min-iters", "1", "--min-seconds", "0", "--warmup", "0", "--settle", "0"]
 # Estimates at 32 and 64 px are well below 5 MB; at 1024 px the input image alone is 12 MB.
 MAX_MEMORY_GB = "0.005"
+LOCAL_WINDOW_TYPES = [name for name, cls in ATTENTION_LAYERS.items() if issubclass(cls, LocalWindowAttention)]
 
 
 def _run(argv: list[str]) -> str:
@@ -273,7 +276,31 @@ def test_model_flops_match_flop_counter(attn):
     cost_attn = "softmax" if attn == "timm" else attn
     assert shape.num_prefix_tokens == 3 and shape.grid(img) == (4, 6)
     options = attention_options(cost_attn, {}, shape.grid(img))
-    assert vit_flops(shape, img, cost_attn, options) == _counted_flops(model, img, backward=False)
+    expected = vit_flops(shape, img, cost_attn, options)
+    if attn in LOCAL_WINDOW_TYPES:
+        with force_backend("local", "gathered"):
+            assert expected == _counted_flops(model, img, backward=False)
+    else:
+        assert expected == _counted_flops(model, img, backward=False)
+
+
+@pytest.mark.parametrize("attn", LOCAL_WINDOW_TYPES)
+def test_dense_local_path_counts_the_masked_pairs_beside_the_credited_ones(attn):
+    """On a 4 x 6 grid a 7 x 7 window covers the grid, so the local ops run dense attention over all N
+    tokens; the pairs its mask removes are computed but, by the counting rule, not credited: the count
+    is the formula's plus 4 C per masked pair, per block."""
+    img = (64, 96)
+    model = _tiny_model(attn, img)
+    shape = ViTShape.from_model(model)
+    options = attention_options(attn, {}, shape.grid(img))
+    layout = TokenLayout(shape.grid(img), shape.num_prefix_tokens)
+    head_dim = shape.embed_dim // shape.num_heads
+    credited = mixing_flops(attn, layout, shape.num_heads, head_dim, options)
+    all_pairs = 4 * shape.embed_dim * layout.num_tokens**2
+    assert credited < all_pairs
+    with force_backend("local", "dense"):
+        counted = _counted_flops(model, img, backward=False)
+    assert counted == vit_flops(shape, img, attn, options) + shape.depth * (all_pairs - credited)
 
 
 def test_linformer_flops_match_flop_counter_when_projecting_the_input_first():
@@ -336,8 +363,9 @@ def test_linformer_and_linear_flops_by_hand():
     layout, h, d = TokenLayout((4, 6), 1), 2, 8
     n, m, c = 25, 24, 16
     assert mixing_flops("linformer", layout, h, d, {"k": 5}) == 2 * c * 5 * m * 2 + 4 * c * n * (1 + 5)
-    assert mixing_flops("linear", layout, h, d, {"dwconv_kernel": None}) == 2 * n * c * d + 2 * n * c * (d + 1)
-    assert mixing_flops("linear", layout, h, d, {"dwconv_kernel": 3}) == 2 * c * n * (2 * d + 1) + 2 * m * c * 9
+    # the state phi(K)^T [V | 1] and phi(Q) [S | z]: (d, d + 1) products per token and head, each
+    assert mixing_flops("linear", layout, h, d, {"dwconv_kernel": None}) == 2 * n * c * (d + 1) * 2
+    assert mixing_flops("linear", layout, h, d, {"dwconv_kernel": 3}) == 4 * c * n * (d + 1) + 2 * m * c * 9
     assert mixing_flops("floor", layout, h, d, {}) == 0
 
 
