@@ -36,6 +36,7 @@ FAST = ["--min-iters", "1", "--min-seconds", "0", "--warmup", "0", "--settle", "
 # Estimates at 32 and 64 px are well below 5 MB; at 1024 px the input image alone is 12 MB.
 MAX_MEMORY_GB = "0.005"
 LOCAL_WINDOW_TYPES = [name for name, cls in ATTENTION_LAYERS.items() if issubclass(cls, LocalWindowAttention)]
+LOCAL_ENGINE_TYPES = LOCAL_WINDOW_TYPES + ["longformer"]  # the types run by visattn.ops.local.tiled_local_attn
 
 
 def _run(argv: list[str]) -> str:
@@ -277,7 +278,7 @@ def test_model_flops_match_flop_counter(attn):
     assert shape.num_prefix_tokens == 3 and shape.grid(img) == (4, 6)
     options = attention_options(cost_attn, {}, shape.grid(img))
     expected = vit_flops(shape, img, cost_attn, options)
-    if attn in LOCAL_WINDOW_TYPES:
+    if attn in LOCAL_ENGINE_TYPES:  # the tiled path, whose masked products the formulas do not credit
         with force_backend("local", "gathered"):
             assert expected == _counted_flops(model, img, backward=False)
     else:
@@ -301,6 +302,16 @@ def test_dense_local_path_counts_the_masked_pairs_beside_the_credited_ones(attn)
     with force_backend("local", "dense"):
         counted = _counted_flops(model, img, backward=False)
     assert counted == vit_flops(shape, img, attn, options) + shape.depth * (all_pairs - credited)
+
+
+def test_linear_flops_with_rope_match_flop_counter():
+    """With rope the layer splits its projection and runs the plain matmuls: the rotated numerator and the
+    unrotated normalizer are separate products."""
+    img = (64, 96)
+    model = _tiny_model("linear", img, rope="axial")
+    shape = ViTShape.from_model(model)
+    options = attention_options("linear", {"rope": "axial"}, shape.grid(img))
+    assert vit_flops(shape, img, "linear", options) == _counted_flops(model, img, backward=False)
 
 
 def test_linformer_flops_match_flop_counter_when_projecting_the_input_first():

@@ -1,5 +1,6 @@
 """Every path of every op with several, forced on CPU tensors (the paths other devices or a compiled graph
-take included), against the naive twins: outputs, and gradients where the path is differentiable.
+take included), against the naive twins: outputs, and gradients where the path is differentiable
+(``decayed_linear``'s two paths are in tests/ops/test_linear_decay.py).
 Also the choice itself: its defaults on each device, how to force it, its log line and its refusals."""
 from __future__ import annotations
 

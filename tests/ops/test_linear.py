@@ -106,9 +106,10 @@ def test_bad_inputs_raise():
 
 # The non-causal op walks the tokens in blocks; a small block makes every test shape span several blocks
 # (the last one partial), so the block boundaries are exercised: runs of at most 16 tokens of one image where an
-# image exceeds the budget (N=53, N=37), runs of whole images where several fit (B=5, N=6: two a block).
+# image exceeds the budget (N=53, N=37, also in an odd batch), runs of whole images where several fit (B=5,
+# N=6: two a block).
 SMALL_BLOCKS = 16 * 2 * 9  # 16 tokens per block at heads=2, d=8 (work buffers of d + 1 values a head)
-BLOCK_SHAPES = [(1, 2, 53, 8), (2, 3, 37, 8), (5, 2, 6, 8)]
+BLOCK_SHAPES = [(1, 2, 53, 8), (2, 3, 37, 8), (3, 2, 37, 8), (5, 2, 6, 8)]
 BLOCK_IDS = [f"B{b}-H{h}-N{n}-d{d}" for b, h, n, d in BLOCK_SHAPES]
 
 
@@ -124,6 +125,29 @@ def test_noncausal_blocks_match_reference(shape, feature_map, small_blocks):
     q, k, v = _qkv(shape)
     out, grads = grads_of(lambda q, k, v: ops.linear_attn(q, k, v, feature_map=feature_map), q, k, v)
     ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, feature_map=feature_map), q, k, v)
+    assert_rms_close(out, ref, 1e-5, "out")
+    for name, g, g_ref in zip("qkv", grads, ref_grads):
+        assert_rms_close(g, g_ref, 1e-5, f"d{name}")
+
+
+@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=BLOCK_IDS)
+def test_noncausal_blocks_clamp_the_normalizer_as_the_reference(shape, small_blocks):
+    """eps above some normalizers and below others: where phi(q) . z < eps the output divides by eps and
+    no gradient flows through the normalizer; both sides of the clamp, across block boundaries."""
+    q, k, v = _qkv(shape)
+    q = q * 3 - 4  # phi(q) = exp(q) for most entries: normalizers spread over orders of magnitude
+    den = (torch.nn.functional.elu(q) + 1) @ (torch.nn.functional.elu(k) + 1).sum(dim=-2).unsqueeze(-1)
+    # eps between two neighbouring normalizers near the middle, far from both in relative terms, so that no
+    # normalizer sits at the clamp's edge (where rounding would decide which side it falls)
+    ranked = den.flatten().sort().values.double()
+    gaps = ranked[1:] / ranked[:-1]
+    quarter = len(ranked) // 4
+    i = quarter + int(torch.argmax(gaps[quarter : 3 * quarter]))  # the widest gap of the middle half
+    assert gaps[i] > 1 + 1e-3
+    eps = float((ranked[i] * ranked[i + 1]).sqrt())
+    assert 0 < float(den.min()) < eps < float(den.max())
+    out, grads = grads_of(lambda q, k, v: ops.linear_attn(q, k, v, eps=eps, backend="blocked"), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, eps=eps), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -232,6 +256,22 @@ def test_from_input_equals_projection_then_linear(feature_map, norms, bias, smal
     with torch.no_grad():
         out = fused_qkv_linear_attn(x, weight, qkv_bias, heads, feature_map, q_norm=norm, k_norm=norm)
     assert_rms_close(out, expected, 1e-5, "out")
+
+
+@pytest.mark.parametrize("b,n", [(5, 6), (3, 37)], ids=["two-images-a-block", "odd-batch-split-images"])
+def test_from_input_blocks_and_kept_values(b, n, small_blocks):
+    """Blocks of several whole images and blocks of part of one image: the output, and the values written
+    block by block into the kept (B, N, C) tensor, are those of the projection."""
+    heads, d, c_in = 2, 8, 20
+    x, weight, qkv_bias = torch.randn(b, n, c_in), torch.randn(3 * heads * d, c_in) / c_in**0.5, torch.randn(3 * heads * d)
+    projection = torch.nn.functional.linear(x, weight, qkv_bias)
+    q, k, v = _split(projection, heads)
+    expected = ops.naive_linear_attn(q, k, v).transpose(1, 2).flatten(2)
+    with torch.no_grad():
+        out, values = fused_qkv_linear_attn(x, weight, qkv_bias, heads, keep_values=True)
+    assert len(blocked.token_blocks(b, n, heads * (d + 1), x.device)) > 1
+    assert_rms_close(out, expected, 1e-5, "out")
+    torch.testing.assert_close(values, projection[..., 2 * heads * d :])
 
 
 def test_from_input_under_autocast_matches_the_unfused_path():

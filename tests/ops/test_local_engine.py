@@ -72,6 +72,29 @@ def test_inference_and_training_paths_match_reference(b, heads, gh, gw, p, prefi
     assert_rms_close(inferred, expected, 1e-5, "chunked path")
 
 
+def test_chunked_path_with_chunks_of_whole_images(monkeypatch):
+    """A budget of two images and a bit: five images run as chunks of 2, 2 and 1 whole images."""
+    b, heads, grid, p, window, d = 5, 2, (7, 5), 1, ("neighborhood", 3, 4), 8
+    q, k, v = (torch.randn(b, heads, p + grid[0] * grid[1], d) for _ in range(3))
+    rows, cols = _plans(window, grid)
+    planned = []
+
+    def recording(seqs, batch, values_per_seq, budget):
+        planned.append((seqs.num_seqs * values_per_seq, chunked_pieces(seqs, batch, values_per_seq, budget)))
+        return planned[-1][1]
+
+    chunked_pieces = chunked._chunk_pieces
+    monkeypatch.setattr(chunked, "_chunk_pieces", recording)
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 1 << 40)  # first, one chunk: to read the values per image
+    with torch.no_grad(), force_backend("local", "chunked"):
+        tiled_local_attn(q, k, v, rows, cols, p)
+        per_image = planned[-1][0]
+        monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 2 * per_image + 1)
+        out = tiled_local_attn(q, k, v, rows, cols, p)
+    assert [(images.start, images.stop) for images, _ in planned[-1][1]] == [(0, 2), (2, 4), (4, 5)]
+    assert_rms_close(out, _reference(q, k, v, window, grid, p, False), 1e-5, "chunked path")
+
+
 @pytest.mark.parametrize("b,heads,gh,gw,p,prefix_visible,window,d", CASES[1:3], ids=IDS[1:3])
 def test_chunked_path_bf16_and_autocast(b, heads, gh, gw, p, prefix_visible, window, d, small_chunks):
     n = p + gh * gw

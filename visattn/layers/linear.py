@@ -152,11 +152,14 @@ class LinearAttention(GridAttention):
     @classmethod
     def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
         """``4 N C (d + 1)``: the state phi(K)^T [V | 1] and phi(Q) [S | z] are ``2 N d (d + 1)`` each per head;
+        with ``rope``, ``2 N C (2 d + 1)``: (R phi(K))^T V and (R phi(Q)) S are ``2 N d^2`` each, the
+        normalizer phi(Q) z ``2 N d``;
         with ``decay``, instead, the products of :func:`visattn.ops.linear.decayed_linear_flops` per head;
         plus ``2 M C k^2`` for the depthwise k x k convolution over the M patches (``dwconv_kernel``)."""
         n, c = layout.num_tokens, num_heads * head_dim
         if check_decay_option(options.get("decay"), cls.name) is None:
-            flops = 4 * n * c * (head_dim + 1)
+            rotated = options.get("rope") is not None
+            flops = 2 * n * c * (2 * head_dim + 1) if rotated else 4 * n * c * (head_dim + 1)
         else:
             rotated = options.get("rope") is not None
             flops = num_heads * decayed_linear_flops(layout.grid, layout.num_prefix_tokens, head_dim, rotated=rotated)

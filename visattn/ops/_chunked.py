@@ -76,21 +76,22 @@ class _Chunk:
     out_rows: torch.Tensor  # (b * kept slots,) output row of each kept slot
 
 
-def _chunk_pieces(seqs: Sequences, batch: int, values_per_seq: int) -> list[tuple[slice, slice]]:
-    """(images, sequences) of each chunk: as many whole images as fit in :data:`CHUNK_ELEMENTS`, else the
+def _chunk_pieces(seqs: Sequences, batch: int, values_per_seq: int, budget: int) -> list[tuple[slice, slice]]:
+    """(images, sequences) of each chunk: as many whole images as fit in ``budget`` values, else the
     sequences of one image in even runs, so a chunk stays cache-sized at any batch size."""
     per_image = seqs.num_seqs * values_per_seq
-    if per_image <= CHUNK_ELEMENTS:
-        return [(images, slice(0, seqs.num_seqs)) for images in even_pieces(batch, CHUNK_ELEMENTS // per_image)]
-    per_chunk = items_per_piece(CHUNK_ELEMENTS, values_per_seq)
+    if per_image <= budget:
+        return [(images, slice(0, seqs.num_seqs)) for images in even_pieces(batch, budget // per_image)]
+    per_chunk = items_per_piece(budget, values_per_seq)
     return [(slice(i, i + 1), part) for i in range(batch) for part in even_pieces(seqs.num_seqs, per_chunk)]
 
 
 @cache_per_inference_mode(maxsize=64)
-def _chunks(seqs: Sequences, batch: int, values_per_seq: int, num_tokens: int) -> tuple[_Chunk, ...]:
-    """The chunks, as row indices into the (b * N, .) token matrix of each chunk's images."""
+def _chunks(seqs: Sequences, batch: int, values_per_seq: int, num_tokens: int, budget: int) -> tuple[_Chunk, ...]:
+    """The chunks of at most ``budget`` values, as row indices into the (b * N, .) token matrix of each
+    chunk's images."""
     chunks = []
-    for images, part in _chunk_pieces(seqs, batch, values_per_seq):
+    for images, part in _chunk_pieces(seqs, batch, values_per_seq, budget):
         b = images.stop - images.start
         offset = torch.arange(b, device=seqs.q_index.device)[:, None] * num_tokens  # (b, 1)
         dest = seqs.dest[part].flatten()
@@ -139,7 +140,7 @@ def attend_in_chunks(
         torch.index_select(t, 0, rows, out=buf)
         return split_heads(buf.view(seqs_in_chunk, -1, t.shape[1]), heads)
 
-    for chunk in _chunks(seqs, batch, S * k.shape[1], num_tokens):
+    for chunk in _chunks(seqs, batch, S * k.shape[1], num_tokens, CHUNK_ELEMENTS):
         b, c = chunk.images.stop - chunk.images.start, chunk.seqs.stop - chunk.seqs.start
         tokens = slice(chunk.images.start * num_tokens, chunk.images.stop * num_tokens)  # the chunk's images
         bias = None

@@ -82,7 +82,9 @@ class TokenBlocks:
         """The work buffer ``name`` for ``block``: (b, heads, n, width) fp32, contiguous."""
         flat = self._storage.get(name)
         if flat is None or flat.numel() < self._largest * self.heads * width:
-            flat = self._storage[name] = torch.empty(self._largest * self.heads * width, device=self.device)
+            flat = self._storage[name] = torch.empty(
+                self._largest * self.heads * width, dtype=torch.float32, device=self.device
+            )
         b, n = block.size
         return flat[: b * self.heads * n * width].view(b, self.heads, n, width)
 
@@ -92,11 +94,11 @@ class TokenBlocks:
         d = x.shape[-1]
         return phi.fast_into(x, self.buffer("phi", block, d), self.buffer("scratch", block, d))
 
-    def with_ones(self, v: torch.Tensor, block: Block, name: str = "ext") -> torch.Tensor:
-        """[v, 1] (b, heads, n, e + 1) in the buffer ``name``: the ones column sums the normalizer beside
+    def with_ones(self, v: torch.Tensor, block: Block) -> torch.Tensor:
+        """[v, 1] (b, heads, n, e + 1) in the ``"ext"`` buffer: the ones column sums the normalizer beside
         the values in the same product."""
         e = v.shape[-1]
-        ext = self.buffer(name, block, e + 1)
+        ext = self.buffer("ext", block, e + 1)
         ext[..., :e] = v
         ext[..., e] = 1.0
         return ext
@@ -111,7 +113,9 @@ def kv_state(
     for block in blocks:
         k_blk, v_blk = keys_values(block)
         if state is None:
-            state = torch.zeros(batch, blocks.heads, k_blk.shape[-1], v_blk.shape[-1] + 1, device=k_blk.device)
+            state = torch.zeros(
+                batch, blocks.heads, k_blk.shape[-1], v_blk.shape[-1] + 1, dtype=torch.float32, device=k_blk.device
+            )
         phi_k = blocks.feature_map(phi, k_blk, block)
         state[block.images] += phi_k.transpose(-2, -1) @ blocks.with_ones(v_blk, block)
     return state
@@ -141,9 +145,9 @@ def _forward(
     batch, heads, n, e = v.shape
     with torch.autocast(device_type=q.device.type, enabled=False):
         blocks = TokenBlocks(batch, heads, n, max(q.shape[-1], e + 1), q.device)
-        state = kv_state(lambda b: (k[b.images, :, b.tokens], v[b.images, :, b.tokens]), blocks, phi, batch)
+        state = kv_state(lambda blk: (k[blk.images, :, blk.tokens], v[blk.images, :, blk.tokens]), blocks, phi, batch)
         out = token_major_empty(batch, heads, n, e, v) if out is None else out
-        attend(lambda b: q[b.images, :, b.tokens], state, blocks, phi, eps, out)
+        attend(lambda blk: q[blk.images, :, blk.tokens], state, blocks, phi, eps, out)
     return out, state
 
 

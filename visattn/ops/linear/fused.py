@@ -73,9 +73,10 @@ def fused_qkv_linear_attn(
     values = x.new_empty(batch, n, dim, dtype=values_dtype) if keep_values else None
     tokens = x.reshape(batch * n, -1)  # a block's tokens are consecutive rows of it
 
-    def project(block: Block, rows: slice, bias: torch.Tensor | None) -> torch.Tensor:  # (b, n, len(rows))
+    def project(block: Block, out_features: slice, bias: torch.Tensor | None) -> torch.Tensor:
+        """The block's tokens projected by the weight rows ``out_features``: (b, n, len(out_features))."""
         with torch.autocast(device_type=device, **caller_autocast):  # as the plain projection would run
-            return F.linear(tokens[block.rows], qkv_weight[rows], bias).view(*block.size, -1)
+            return F.linear(tokens[block.rows], qkv_weight[out_features], bias).view(*block.size, -1)
 
     def keys_values(block: Block) -> tuple[torch.Tensor, torch.Tensor]:
         keys, vals = project(block, slice(dim, None), kv_bias).chunk(2, dim=-1)  # (b, n, C) each
