@@ -153,6 +153,27 @@ def test_noncausal_blocks_clamp_the_normalizer_as_the_reference(shape, small_blo
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
 
 
+@pytest.mark.parametrize("default_dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_blocked_work_buffers_are_fp32_whatever_the_default_dtype(default_dtype, small_blocks):
+    """The token sums are taken in fp32 buffers that name their dtype: another default dtype changes nothing."""
+    q, k, v = _qkv((3, 2, 37, 8))
+    x, weight = torch.randn(3, 37, 20), torch.randn(48, 20) / 20**0.5
+    expected = ops.linear_attn(q, k, v, backend="blocked")
+    with torch.no_grad():
+        expected_fused = fused_qkv_linear_attn(x, weight, None, 2)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    try:
+        out = ops.linear_attn(q, k, v, backend="blocked")
+        with torch.no_grad():
+            fused = fused_qkv_linear_attn(x, weight, None, 2)
+    finally:
+        torch.set_default_dtype(previous)
+    assert out.dtype == fused.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(fused, expected_fused, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
 def test_fast_feature_map_and_derivative_match_the_definition(name):
     phi = FEATURE_MAPS[name]

@@ -85,6 +85,7 @@ def test_chunked_path_with_chunks_of_whole_images(monkeypatch):
 
     chunked_pieces = chunked._chunk_pieces
     monkeypatch.setattr(chunked, "_chunk_pieces", recording)
+    monkeypatch.setattr(chunked, "_chunks", chunked._chunks.__wrapped__)  # uncached: every call plans afresh
     monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 1 << 40)  # first, one chunk: to read the values per image
     with torch.no_grad(), force_backend("local", "chunked"):
         tiled_local_attn(q, k, v, rows, cols, p)
