@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from visattn.ops._layout import merge_heads, split_heads
-from visattn.ops._pieces import even_pieces, items_per_piece
+from visattn.ops._pieces import ImageRun, image_runs
 
 # A chunk's gathered keys (and values, and queries) hold about this many values each.
 CHUNK_ELEMENTS = 1 << 20
@@ -76,14 +76,9 @@ class _Chunk:
     out_rows: torch.Tensor  # (b * kept slots,) output row of each kept slot
 
 
-def _chunk_pieces(seqs: Sequences, batch: int, values_per_seq: int, budget: int) -> list[tuple[slice, slice]]:
-    """(images, sequences) of each chunk: as many whole images as fit in ``budget`` values, else the
-    sequences of one image in even runs, so a chunk stays cache-sized at any batch size."""
-    per_image = seqs.num_seqs * values_per_seq
-    if per_image <= budget:
-        return [(images, slice(0, seqs.num_seqs)) for images in even_pieces(batch, budget // per_image)]
-    per_chunk = items_per_piece(budget, values_per_seq)
-    return [(slice(i, i + 1), part) for i in range(batch) for part in even_pieces(seqs.num_seqs, per_chunk)]
+def _chunk_pieces(seqs: Sequences, batch: int, values_per_seq: int, budget: int) -> list[ImageRun]:
+    """(images, sequences) of each chunk: whole images, or runs of one image's sequences."""
+    return image_runs(batch, seqs.num_seqs, values_per_seq, budget)
 
 
 @cache_per_inference_mode(maxsize=64)

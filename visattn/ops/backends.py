@@ -87,6 +87,11 @@ def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _eager_on_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CPU tensor outside a compiled graph: where the cache-blocked CPU paths run."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def choose_linear_backend(t: torch.Tensor, causal: bool, rotated: bool = False) -> str:
     """Causal: the chunked product. Non-causal on the CPU: the blocked autograd function, whose
     cache-sized blocks pay on a CPU. Elsewhere, inside a compiled graph and with a rope table
@@ -94,7 +99,7 @@ def choose_linear_backend(t: torch.Tensor, causal: bool, rotated: bool = False) 
     whole and a compiler fuses with the feature maps."""
     if causal:
         return "chunk"
-    return "plain" if rotated or t.device.type != "cpu" or torch.compiler.is_compiling() else "blocked"
+    return "plain" if rotated or not _eager_on_cpu(t) else "blocked"
 
 
 def choose_decayed_linear_backend(single_tile: bool) -> str:
@@ -111,7 +116,7 @@ def choose_linear_projection_backend(t: torch.Tensor, causal: bool, has_qk_norm:
     call the op. Without autograd, fuse the projection with the mixing. With autograd and no q/k norm,
     run on the packed projection (its gradient comes back in one piece); a q/k norm sits between
     projection and mixing, so then split."""
-    if causal or rotated or t.device.type != "cpu" or torch.compiler.is_compiling():
+    if causal or rotated or not _eager_on_cpu(t):
         return "split"
     if not torch.is_grad_enabled():
         return "fused_qkv"
@@ -130,7 +135,7 @@ def choose_axial_backend(t: torch.Tensor, dropout_p: float, needs_grad: bool) ->
     CPU with autograd: the CPU kernels where they apply and SDPA's fused (flash) backend is enabled
     (``torch.nn.attention.sdpa_kernel`` can select another), else SDPA recomputed in the backward,
     which keeps only q, k and v."""
-    if torch.compiler.is_compiling() or not needs_grad or t.device.type != "cpu":
+    if not needs_grad or not _eager_on_cpu(t):
         return "sdpa"
     if cpu_kernels_apply(t, dropout_p) and torch.backends.cuda.flash_sdp_enabled():  # read on every device
         return "cpu_kernels"
@@ -149,6 +154,6 @@ def choose_local_backend(
         return "gathered"
     if dense_cheaper:
         return "dense"
-    if t.device.type != "cpu" or needs_grad or dropout_p or torch.compiler.is_compiling():
+    if needs_grad or dropout_p or not _eager_on_cpu(t):
         return "gathered"
     return "chunked"

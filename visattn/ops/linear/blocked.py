@@ -22,7 +22,7 @@ import torch
 
 from visattn.ops._checks import check_packed_qkv, check_qkv
 from visattn.ops._layout import split_heads, split_qkv, token_major_empty
-from visattn.ops._pieces import even_pieces, items_per_piece
+from visattn.ops._pieces import image_runs
 from visattn.ops.linear.feature_maps import FeatureMap, get_feature_map
 
 # Values per fp32 work buffer of a block on the CPU (1 MiB): the block's feature maps and products stay
@@ -51,17 +51,11 @@ def token_blocks(batch: int, n: int, values_per_token: int, device: torch.device
     images as fit in :data:`BLOCK_ELEMENTS`, else runs of tokens of one image; a single block off the CPU."""
     if device.type != "cpu":
         return [Block(slice(0, batch), slice(0, n), slice(0, batch * n))]
-    per_image = n * values_per_token
-    if per_image <= BLOCK_ELEMENTS:
-        return [
-            Block(images, slice(0, n), slice(images.start * n, images.stop * n))
-            for images in even_pieces(batch, BLOCK_ELEMENTS // per_image)
-        ]
-    step = items_per_piece(BLOCK_ELEMENTS, values_per_token, minimum=MIN_BLOCK_TOKENS)
+    runs = image_runs(batch, n, values_per_token, BLOCK_ELEMENTS, minimum=MIN_BLOCK_TOKENS)
+    # a run's tokens are consecutive rows: whole images, or a run of one image's tokens
     return [
-        Block(slice(image, image + 1), tokens, slice(image * n + tokens.start, image * n + tokens.stop))
-        for image in range(batch)
-        for tokens in even_pieces(n, step)
+        Block(images, tokens, slice(images.start * n + tokens.start, (images.stop - 1) * n + tokens.stop))
+        for images, tokens in runs
     ]
 
 
