@@ -6,6 +6,8 @@
         --run-root runs/table-cluttered-digits --output tables/cluttered-digits.md
     python scripts/accuracy_table.py --attn timm linear linear:dwconv_kernel=null   # a row with options
     python scripts/accuracy_table.py --epochs 1 -- --max-train-samples 256          # after --: to every train.py
+    python scripts/accuracy_table.py --config configs/cluttered-digits-curriculum.yaml \\
+        --stage1-img-size 64 --stage1-epochs 4                                     # a curriculum: 64 px, then 128
 
 Rows (``--attn``): attention types of ``visattn.list_attentions()`` and ``timm``, timm's own Attention in a
 stock timm ViT of the same shape (``train.py --attn timm``), the reference of the speed-up column; by
@@ -13,11 +15,16 @@ default ``timm`` and then every type. A row with options is ``TYPE:KEY=VALUE[,KE
 laid over the recipe's ``attn_kwargs``; a word without ``:`` may name several rows, comma-separated.
 
 Each (row, seed) is trained by its own ``train.py`` process into ``<run-root>/<row>/seed<k>`` (its output in
-``seed<k>.log`` beside it), one after the other: every row with the first seed, then every row with the next. A run whose ``summary.json`` is there and whose saved
-``config.yaml`` is the config this command would train is reused, not retrained; one with that config and a
-checkpoint but no summary (an invocation that was stopped) is resumed; any other is trained afresh
-(``--retrain``: every run). A table that needs hours is so built over several invocations. One line per run
-says when it starts and ends, with its time and the estimated time of the runs left.
+``seed<k>.log`` beside it), one after the other: every row with the first seed, then every row with the next.
+A curriculum (``--stage1-img-size PX --stage1-epochs N``) trains each run in two ``train.py`` processes: first
+N epochs at PX pixels into ``seed<k>-stage1``, then the recipe's epochs at the recipe's size into ``seed<k>``,
+starting from the first stage's weights (``--initial-checkpoint``, which resamples the position embedding to
+the larger grid). A run whose ``summary.json`` is there and whose saved ``config.yaml`` is the config this
+command would train is reused, not retrained; one with that config and a checkpoint but no summary (an
+invocation that was stopped) is resumed; any other is trained afresh (``--retrain``: every run). A second
+stage whose first stage is trained in this invocation is trained afresh too. A table that needs hours is so
+built over several invocations. One line per run says when it starts and ends, with its time and the
+estimated time of the runs left.
 
 Written after every run (``--output NAME.md``): the markdown table; ``NAME.png``, test accuracy per row with
 its range over the seeds, and the validation accuracy of every epoch per row; ``NAME.json`` and ``NAME.csv``,
@@ -25,8 +32,9 @@ every run with its summary (the JSON also with its per-epoch records). Columns: 
 chosen on validation (median [min-max] over the seeds that finished, and their count); training images/s
 and seconds per epoch (training plus validation) from each run's own records, and the peak memory (GPU
 memory allocated by tensors on CUDA; the whole process's peak resident memory on CPU, Python runtime and
-dataset included), each the median over seeds; the speed-up over the ``timm`` row (ratio of images/s); and
-whether the row ran at the recipe's token count (no: out of memory, or failed, with its log).
+dataset included), each the median over seeds and, with a curriculum, of the second stage alone; the speed-up
+over the ``timm`` row (ratio of images/s); and whether the row ran at the recipe's token count (no: out of
+memory, or failed, with its log).
 """
 from __future__ import annotations
 
@@ -121,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--run-root", default="runs/accuracy_table", help="<run-root>/<row>/seed<k> holds each run")
     parser.add_argument("--output", default="accuracy_table.md", help="the markdown table; .png, .json, .csv beside it")
     parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
+    parser.add_argument("--stage1-img-size", type=int, metavar="PX",
+                        help="a curriculum: train each run first at PX pixels, then at the recipe's size")
+    parser.add_argument("--stage1-epochs", type=int, metavar="N", help="the first stage's epochs (with --stage1-img-size)")
     args = parser.parse_args(own)
     try:
         args.rows = parse_rows(args.attn or [TIMM_ATTENTION, *visattn.list_attentions()])
@@ -128,8 +139,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         parser.error(f"--attn: {error}")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds: each seed once, got {' '.join(map(str, args.seeds))}")
-    if args.epochs is not None and args.epochs < 1:
-        parser.error(f"--epochs: must be >= 1, got {args.epochs}")
+    for flag, value in (("--epochs", args.epochs), ("--stage1-img-size", args.stage1_img_size),
+                        ("--stage1-epochs", args.stage1_epochs)):
+        if value is not None and value < 1:
+            parser.error(f"{flag}: must be >= 1, got {value}")
+    if (args.stage1_img_size is None) != (args.stage1_epochs is None):
+        parser.error("--stage1-img-size and --stage1-epochs: give both (a first stage) or neither")
     taken = sorted({arg.partition("=")[0] for arg in train_args} & set(TABLE_FLAGS))
     if taken:
         parser.error(f"after --: {', '.join(taken)} set by the table for each run; use --attn ROW and --seeds")
@@ -152,18 +167,27 @@ class Run:
     seconds: float | None = None  # the train.py process's time in this invocation
     summary: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    stage1: Run | None = None  # with a curriculum: the run this one starts from
+    is_stage1: bool = False
 
     @property
     def log(self) -> Path:
         return self.run_dir.with_name(f"{self.run_dir.name}.log")
 
+    @property
+    def failed_log(self) -> Path:
+        """The log that says why this run did not finish: its first stage's, where that one did not."""
+        if self.stage1 is not None and self.stage1.status != "finished":
+            return self.stage1.log
+        return self.log
 
-def train_argv(args: argparse.Namespace, train_args: list[str], row: Row, seed: int, run_dir: Path) -> list[str]:
-    """train.py's arguments for ``row`` and ``seed``: the recipe, the arguments after --, then the table's own."""
-    argv = ["--config", args.config, *train_args]
-    if args.epochs is not None:
-        argv += ["--epochs", str(args.epochs)]
-    argv += ["--attn", row.attn]
+
+def train_argv(
+    args: argparse.Namespace, train_args: list[str], row: Row, seed: int, run_dir: Path, stage: list[str],
+) -> list[str]:
+    """train.py's arguments for ``row`` and ``seed``: the recipe, the arguments after --, the stage's
+    (epochs, image size, starting weights), then the table's own."""
+    argv = ["--config", args.config, *train_args, *stage, "--attn", row.attn]
     if row.options:
         recipe = resolve_config(argv)[0]  # the row's options over the recipe's, as one mapping
         argv += ["--attn-kwargs", json.dumps({**recipe.attn_kwargs, **row.options})]
@@ -235,17 +259,20 @@ def execute(run: Run) -> None:
 
 
 def eta_seconds(runs: list[Run]) -> float | None:
-    """Time the runs still to train should take: each at its row's mean time in this invocation so far, or
-    the mean over all rows for a row not timed yet (None before any run is timed)."""
+    """Time the runs still to train should take: each at its row's mean time (of the same stage) in this
+    invocation so far, or the mean over all rows for a row not timed yet (None before any run is timed)."""
     timed = [run for run in runs if run.seconds is not None]
     if not timed:
         return None
     overall = statistics.fmean(run.seconds for run in timed)
-    per_row: dict[str, list[float]] = {}
+    per_row: dict[tuple[str, bool], list[float]] = {}
     for run in timed:
-        per_row.setdefault(run.row.text, []).append(run.seconds)
+        per_row.setdefault((run.row.text, run.is_stage1), []).append(run.seconds)
     pending = [run for run in runs if run.action != "reuse" and run.seconds is None]
-    return sum(statistics.fmean(per_row[run.row.text]) if run.row.text in per_row else overall for run in pending)
+    return sum(
+        statistics.fmean(per_row[run.row.text, run.is_stage1]) if (run.row.text, run.is_stage1) in per_row else overall
+        for run in pending
+    )
 
 
 def duration(seconds: float) -> str:
@@ -346,7 +373,7 @@ def markdown(results: list[RowResult], runs: list[Run], recipe: TrainConfig, com
         status = result.status
         if status == "failed":
             failed = next(run for run in runs if run.row == result.row and run.status == "failed")
-            status = f"failed (see `{failed.log}`)"
+            status = f"failed (see `{failed.failed_log}`)"
         lines.append(
             f"| {result.row.label} | {accuracy_cell(result)} | {_rate(result.images_per_s)} | "
             f"{_number(result.epoch_s, 1)} | {_number(result.peak_mem_mib)} | {speedup} | {status} |"
@@ -358,13 +385,27 @@ def markdown(results: list[RowResult], runs: list[Run], recipe: TrainConfig, com
     note = (
         f"`{command}`: {recipe.dataset} at {recipe.image_hw[0]}×{recipe.image_hw[1]} px, patch {recipe.patch_size} "
         f"({rows_}×{cols_} grid, {tokens}), {recipe.model} of width {recipe.embed_dim}, depth {recipe.depth}, "
-        f"{recipe.num_heads} heads, {recipe.epochs} epoch{'s' if recipe.epochs != 1 else ''}; seeds "
+        f"{recipe.num_heads} heads, {recipe.epochs} epoch{'s' if recipe.epochs != 1 else ''}{curriculum(runs)}; seeds "
         f"{', '.join(str(seed) for seed in sorted({run.seed for run in runs}))}. Test accuracy of the weights chosen on "
         "validation; images/s over the training steps and seconds per epoch (training and validation), each from "
         f"the run's own records, and peak memory ({memory}): medians over the seeds. Speed-up: images/s over "
         "the timm row's (timm's own Attention in the same ViT)."
     )
     return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def curriculum(runs: list[Run]) -> str:
+    """The note's words for a first stage: its epochs and grid ("" without one)."""
+    first = next((run.stage1 for run in runs if run.stage1 is not None), None)
+    if first is None:
+        return ""
+    stage1 = expected_config(first.argv)
+    rows_, cols_ = (side // stage1.patch_size for side in stage1.image_hw)
+    return (
+        f", after a first stage of {stage1.epochs} epoch{'s' if stage1.epochs != 1 else ''} at "
+        f"{stage1.image_hw[0]}×{stage1.image_hw[1]} px ({rows_}×{cols_} grid) whose weights it starts from "
+        "(speed and memory: this second stage alone)"
+    )
 
 
 def plot(results: list[RowResult], runs: list[Run], path: Path) -> None:
@@ -411,14 +452,15 @@ def plot(results: list[RowResult], runs: list[Run], path: Path) -> None:
     plt.close(fig)
 
 
-CSV_FIELDS = ("row", "attn", "options", "seed", "status", "test_acc", "best_acc", "best_epoch", "epochs",
+CSV_FIELDS = ("row", "attn", "options", "seed", "stage", "status", "test_acc", "best_acc", "best_epoch", "epochs",
               "images_per_s", "epoch_time_s", "peak_mem_mib", "mem_kind", "wall_time_s", "run_dir")
 
 
 def run_record(run: Run) -> dict[str, Any]:
     summary = run.summary or {}
     return {
-        "row": run.row.text, "attn": run.row.attn, "options": run.row.options, "seed": run.seed, "status": run.status,
+        "row": run.row.text, "attn": run.row.attn, "options": run.row.options, "seed": run.seed,
+        "stage": 1 if run.is_stage1 else 2 if run.stage1 is not None else None, "status": run.status,
         **{key: summary.get(key) for key in ("test_acc", "best_acc", "best_epoch", "epochs", "images_per_s",
                                               "peak_mem_mib", "mem_kind", "wall_time_s")},
         "epoch_time_s": epoch_seconds(run.history), "run_dir": str(run.run_dir),
@@ -426,14 +468,15 @@ def run_record(run: Run) -> dict[str, Any]:
 
 
 def write_outputs(output: Path, results: list[RowResult], runs: list[Run], recipe: TrainConfig, command: str) -> str:
-    """The markdown table, and the PNG, JSON and CSV beside it; returns the table."""
+    """The markdown table, and the PNG, JSON and CSV beside it (with every first stage); returns the table."""
     output.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(results, runs, recipe, command)
     output.write_text(table)
     plot(results, runs, output.with_suffix(".png"))
-    records = [run_record(run) for run in runs]
+    every_run = all_runs(runs)
+    records = [run_record(run) for run in every_run]
     output.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "runs": [{**record, "history": run.history} for record, run in zip(records, runs)]},
+        {"command": command, "runs": [{**record, "history": run.history} for record, run in zip(records, every_run)]},
         indent=1,
     ))
     with open(output.with_suffix(".csv"), "w", newline="") as handle:
@@ -450,10 +493,28 @@ def plan(args: argparse.Namespace, train_args: list[str]) -> list[Run]:
     for seed in args.seeds:  # every row's first seed, then every row's second: a partial table has every row
         for row in args.rows:
             run_dir = Path(args.run_root) / row.folder / f"seed{seed}"
-            run = Run(row, seed, run_dir, train_argv(args, train_args, row, seed, run_dir))
-            expected_config(run.argv)  # a ConfigError now rather than after hours of other rows
+            stage = ["--epochs", str(args.epochs)] if args.epochs is not None else []
+            stage1 = None
+            if args.stage1_img_size is not None:
+                stage1_dir = run_dir.with_name(f"{run_dir.name}-stage1")
+                stage1_argv = ["--epochs", str(args.stage1_epochs), "--img-size", str(args.stage1_img_size)]
+                stage1 = Run(row, seed, stage1_dir, train_argv(args, train_args, row, seed, stage1_dir, stage1_argv),
+                             is_stage1=True)
+                expected_config(stage1.argv)  # a ConfigError now rather than after hours of other rows
+                stage += ["--initial-checkpoint", str(stage1_dir)]
+            run = Run(row, seed, run_dir, train_argv(args, train_args, row, seed, run_dir, stage), stage1=stage1)
+            expected_config(run.argv)
             runs.append(run)
     return runs
+
+
+def all_runs(runs: list[Run]) -> list[Run]:
+    """Every train.py run, in the order they train: each run's first stage just before it."""
+    return [stage for run in runs for stage in (run.stage1, run) if stage is not None]
+
+
+def name(run: Run) -> str:
+    return f"{run.row.text} seed {run.seed}{' (first stage)' if run.is_stage1 else ''}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -465,27 +526,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     recipe = expected_config(runs[0].argv)
     command = " ".join(["python scripts/accuracy_table.py", *(sys.argv[1:] if argv is None else argv)])
-    for run in runs:
+    every_run = all_runs(runs)
+    for run in every_run:
         run.action, why = choose_action(run, args.retrain)
+        if run.stage1 is not None and run.stage1.action != "reuse" and run.action != "train":
+            run.action, why = "train", "its first stage is trained in this invocation"
         if run.action == "reuse":
             read_run(run)
         elif run.action == "train" and why != "new":
-            print(f"{run.row.text} seed {run.seed}: trained afresh: {why}", flush=True)
-    todo = [run for run in runs if run.action != "reuse"]
-    print(f"{len(runs)} runs: {len(runs) - len(todo)} finished before, {len(todo)} to train "
+            print(f"{name(run)}: trained afresh: {why}", flush=True)
+    todo = [run for run in every_run if run.action != "reuse"]
+    print(f"{len(every_run)} runs: {len(every_run) - len(todo)} finished before, {len(todo)} to train "
           f"({sum(run.action == 'resume' for run in todo)} resumed)", flush=True)
     output = Path(args.output)
     for number, run in enumerate(todo, start=1):
-        eta = eta_seconds(runs)
+        if run.stage1 is not None and run.stage1.status != "finished":
+            run.status = run.stage1.status
+            print(f"[{number}/{len(todo)}] {name(run)}: not started, its first stage {run.stage1.status}", flush=True)
+            continue
+        eta = eta_seconds(every_run)
         remaining = f"; all {len(todo) - number + 1} left: about {duration(eta)}" if eta is not None else ""
         verb = "resumed" if run.action == "resume" else "started"
-        print(f"[{number}/{len(todo)}] {run.row.text} seed {run.seed}: {verb}{remaining}", flush=True)
+        print(f"[{number}/{len(todo)}] {name(run)}: {verb}{remaining}", flush=True)
         execute(run)
         outcome = f"{100 * run.summary['test_acc']:.2f}%" if run.status == "finished" else f"{run.status}, see {run.log}"
-        eta = eta_seconds(runs)
+        eta = eta_seconds(every_run)
         left = f"; {len(todo) - number} left: about {duration(eta)}" if number < len(todo) and eta is not None else ""
-        print(f"[{number}/{len(todo)}] {run.row.text} seed {run.seed}: {outcome} in {duration(run.seconds)}{left}",
-              flush=True)
+        print(f"[{number}/{len(todo)}] {name(run)}: {outcome} in {duration(run.seconds)}{left}", flush=True)
         write_outputs(output, summarize_rows(args.rows, runs), runs, recipe, command)  # a table so far, should it stop
     print(write_outputs(output, summarize_rows(args.rows, runs), runs, recipe, command))
     return 0 if all(run.status == "finished" for run in runs) else 1

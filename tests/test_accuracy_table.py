@@ -287,3 +287,83 @@ def test_attn_timm_trains_timms_own_attention_and_resumes(tmp_path, capsys):
 def test_attn_timm_is_for_every_block(tmp_path, capsys):
     assert train.main([*TINY, "--attn", "timm,softmax", "--run-dir", str(tmp_path / "run")]) == 2
     assert "attn: 'timm' (timm's own Attention) is for every block; give it alone" in capsys.readouterr().err
+
+
+# -- a curriculum: a first stage at a smaller size, then the recipe's from its weights ----------------------
+def test_the_first_stage_flags_come_together_and_positive(capsys):
+    for extra, message in ((["--stage1-img-size", "8"], "give both (a first stage) or neither"),
+                           (["--stage1-epochs", "2"], "give both (a first stage) or neither"),
+                           (["--stage1-img-size", "0", "--stage1-epochs", "1"], "--stage1-img-size: must be >= 1, got 0")):
+        with pytest.raises(SystemExit):
+            table.parse_args(["--attn", "floor", *extra])
+        assert message in capsys.readouterr().err
+
+
+def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tmp_path, monkeypatch, capsys):
+    _, _, runs = planned(tmp_path, "--stage1-img-size", "8", "--stage1-epochs", "2")
+    timm0, floor0, _, _ = runs
+    first = timm0.stage1
+    assert (first.run_dir, first.is_stage1) == (tmp_path / "runs" / "timm" / "seed0-stage1", True)
+    stage1_config, config = table.expected_config(first.argv), table.expected_config(timm0.argv)
+    assert (stage1_config.img_size, stage1_config.epochs, stage1_config.initial_checkpoint) == (8, 2, None)
+    assert (config.img_size, config.epochs, config.initial_checkpoint) == (16, 1, str(first.run_dir))
+    assert table.all_runs(runs)[:4] == [timm0.stage1, timm0, floor0.stage1, floor0]
+
+    commands = []
+
+    def fake_train(command, **kwargs):
+        commands.append(command)
+        run_dir = Path(command[command.index("--run-dir") + 1])
+        run = next(run for run in table.all_runs(runs) if run.run_dir == run_dir)
+        if run.row.attn == "floor" and run.is_stage1:
+            return subprocess.CompletedProcess(command, 2)  # the first stage fails: its second never starts
+        finish(run, 0.25 if run.is_stage1 else 0.75)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(table.subprocess, "run", fake_train)
+    argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
+            "--output", str(tmp_path / "table.md"), "--stage1-img-size", "8", "--stage1-epochs", "2", "--", *TINY]
+    assert table.main(argv) == 1
+    trained = [Path(command[command.index("--run-dir") + 1]).relative_to(tmp_path / "runs") for command in commands]
+    assert trained == [Path(p) for p in ("timm/seed0-stage1", "timm/seed0", "floor/seed0-stage1",
+                                         "timm/seed1-stage1", "timm/seed1", "floor/seed1-stage1")]
+    assert "floor seed 0: not started, its first stage failed" in capsys.readouterr().out
+    text = (tmp_path / "table.md").read_text()
+    assert "| timm | 75.00% [75.00–75.00] (2) |" in text  # the second stage's accuracy
+    assert f"| floor | — | — | — | — | — | failed (see `{tmp_path / 'runs' / 'floor' / 'seed0-stage1.log'}`) |" in text
+    assert "1 epoch, after a first stage of 2 epochs at 8×8 px (2×2 grid) whose weights it starts from" in text
+    with open(tmp_path / "table.csv") as handle:
+        records = list(csv.DictReader(handle))
+    assert [(r["row"], r["seed"], r["stage"], r["status"]) for r in records] == [
+        ("timm", "0", "1", "finished"), ("timm", "0", "2", "finished"), ("floor", "0", "1", "failed"),
+        ("floor", "0", "2", "failed"), ("timm", "1", "1", "finished"), ("timm", "1", "2", "finished"),
+        ("floor", "1", "1", "failed"), ("floor", "1", "2", "failed"),
+    ]
+
+
+def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, monkeypatch, capsys):
+    _, _, runs = planned(tmp_path, "--stage1-img-size", "8", "--stage1-epochs", "2")
+    for run in table.all_runs(runs):
+        finish(run, 0.5)
+    timm0 = runs[0]
+    (timm0.stage1.run_dir / "summary.json").unlink()
+    (timm0.stage1.run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)  # the first stage was stopped
+    commands = []
+
+    def fake_train(command, **kwargs):
+        commands.append(command[-3:])
+        run_dir = Path(command[command.index("--run-dir") + 1])
+        (run_dir / "summary.json").write_text(json.dumps(dict(
+            test_acc=0.75, best_acc=0.5, best_epoch=1, epochs=1, images_per_s=48.0, peak_mem_mib=800.0,
+            mem_kind="cpu_peak_rss", wall_time_s=3.0)))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(table.subprocess, "run", fake_train)
+    argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
+            "--output", str(tmp_path / "table.md"), "--stage1-img-size", "8", "--stage1-epochs", "2", "--", *TINY]
+    assert table.main(argv) == 0
+    assert commands == [["--run-dir", str(timm0.stage1.run_dir), "--resume"],
+                        ["--run-dir", str(timm0.run_dir), "--overwrite"]]
+    out = capsys.readouterr().out
+    assert "timm seed 0: trained afresh: its first stage is trained in this invocation" in out
+    assert "8 runs: 6 finished before, 2 to train (1 resumed)" in out
