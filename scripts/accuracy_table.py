@@ -17,13 +17,14 @@ laid over the recipe's ``attn_kwargs``; a word without ``:`` may name several ro
 Each (row, seed) is trained by its own ``train.py`` process into ``<run-root>/<row>/seed<k>`` (its output in
 ``seed<k>.log`` beside it), one after the other: every row with the first seed, then every row with the next.
 A curriculum (``--stage1-img-size PX --stage1-epochs N``) trains each run in two ``train.py`` processes: first
-N epochs at PX pixels into ``seed<k>-stage1``, then the recipe's epochs at the recipe's size into ``seed<k>``,
-starting from the first stage's weights (``--initial-checkpoint``, which resamples the position embedding to
-the larger grid). A run whose ``summary.json`` is there and whose saved ``config.yaml`` is the config this
-command would train is reused, not retrained; one with that config and a checkpoint but no summary (an
-invocation that was stopped) is resumed; any other is trained afresh (``--retrain``: every run). A second
-stage whose first stage is trained in this invocation is trained afresh too. A table that needs hours is so
-built over several invocations. One line per run says when it starts and ends, with its time and the
+N epochs at PX pixels into ``seed<k>-stage1`` (a generated dataset is drawn afresh at that size), then the
+recipe's epochs at the recipe's size into ``seed<k>``, starting from the first stage's best weights, chosen on
+validation (``--initial-checkpoint``, which resamples the position embedding to the new grid; a
+``--initial-checkpoint`` after ``--`` starts the first stage). A run whose ``summary.json`` is there and whose
+saved ``config.yaml`` is the config this command would train is reused, not retrained; one with that config
+and a checkpoint but no summary (an invocation that was stopped) is resumed; any other is trained afresh
+(``--retrain``: every run). A second stage started before its first stage last finished is trained afresh,
+whatever its config. A table that needs hours is so built over several invocations. One line per run says when it starts and ends, with its time and the
 estimated time of the runs left.
 
 Written after every run (``--output NAME.md``): the markdown table; ``NAME.png``, test accuracy per row with
@@ -119,7 +120,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=str(REPO / "configs" / "digits.yaml"), help="the recipe every row trains with")
-    parser.add_argument("--epochs", type=int, help="override the recipe's epochs (fewer for a quick table)")
+    parser.add_argument("--epochs", type=int,
+                        help="override the recipe's epochs (fewer for a quick table); with a curriculum, the second stage's")
     parser.add_argument(
         "--attn", nargs="+", metavar="ROW",
         help=f"rows: TYPE or TYPE:KEY=VALUE[,KEY=VALUE...], TYPE one of {TIMM_ATTENTION}, "
@@ -156,7 +158,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 # -- the runs ---------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """One (row, seed): where it lives, what this invocation does with it, and what it left."""
+    """One train.py run of a (row, seed), or of one stage of it: where it lives, what this invocation does
+    with it, and what it left."""
 
     row: Row
     seed: int
@@ -167,8 +170,8 @@ class Run:
     seconds: float | None = None  # the train.py process's time in this invocation
     summary: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
-    stage1: Run | None = None  # with a curriculum: the run this one starts from
-    is_stage1: bool = False
+    stage: int | None = None  # with a curriculum: 1 (the first stage) or 2; None without one
+    stage1: Run | None = None  # of a second stage: the first stage it starts from
 
     @property
     def log(self) -> Path:
@@ -201,10 +204,11 @@ def expected_config(argv: list[str]) -> TrainConfig:
     return config
 
 
-def config_differences(saved: TrainConfig, expected: TrainConfig) -> list[str]:
-    """'key: saved -> expected' for every setting that changes what is trained."""
+def config_differences(saved: TrainConfig, expected: TrainConfig, ignored: tuple[str, ...] = ()) -> list[str]:
+    """'key: saved -> expected' for every setting that changes what is trained (but ``ignored``)."""
     old, new = saved.to_dict(), expected.to_dict()
-    return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in old if key not in BOOKKEEPING_KEYS and old[key] != new[key]]
+    skip = (*BOOKKEEPING_KEYS, *ignored)
+    return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in old if key not in skip and old[key] != new[key]]
 
 
 def choose_action(run: Run, retrain: bool) -> tuple[str, str]:
@@ -218,14 +222,25 @@ def choose_action(run: Run, retrain: bool) -> tuple[str, str]:
         saved = make_config(read_yaml(config_file))
     except ConfigError as error:
         return "train", f"its saved config is unreadable here ({error})"
-    differences = config_differences(saved, expected_config(run.argv))
+    # A second stage's initial_checkpoint is its first stage's folder, however --run-root was spelled: what
+    # matters is whether it started after that first stage last finished.
+    ignored = ("initial_checkpoint",) if run.stage1 is not None else ()
+    differences = config_differences(saved, expected_config(run.argv), ignored)
     if differences:
         return "train", f"its config differs: {'; '.join(differences)}"
+    if run.stage1 is not None and started_before(run, run.stage1):
+        return "train", "its first stage finished again after it started"
     if (run.run_dir / SUMMARY_FILE).is_file():
         return "reuse", "finished with this config"
     if list_checkpoints(run.run_dir):
         return "resume", "stopped before the end, resumed from its last checkpoint"
     return "train", "no checkpoint to resume from"
+
+
+def started_before(run: Run, first: Run) -> bool:
+    """Whether ``run`` started (wrote its config) before ``first`` last finished (wrote its summary)."""
+    summary = first.run_dir / SUMMARY_FILE
+    return summary.is_file() and (run.run_dir / CONFIG_FILE).stat().st_mtime < summary.stat().st_mtime
 
 
 def read_run(run: Run) -> None:
@@ -260,17 +275,20 @@ def execute(run: Run) -> None:
 
 def eta_seconds(runs: list[Run]) -> float | None:
     """Time the runs still to train should take: each at its row's mean time (of the same stage) in this
-    invocation so far, or the mean over all rows for a row not timed yet (None before any run is timed)."""
+    invocation so far, or else the mean over all rows of its stage, or else over all runs (None before any
+    run is timed)."""
     timed = [run for run in runs if run.seconds is not None]
     if not timed:
         return None
-    overall = statistics.fmean(run.seconds for run in timed)
-    per_row: dict[tuple[str, bool], list[float]] = {}
+    per_row: dict[tuple[str, int | None], list[float]] = {}
+    per_stage: dict[int | None, list[float]] = {}
     for run in timed:
-        per_row.setdefault((run.row.text, run.is_stage1), []).append(run.seconds)
-    pending = [run for run in runs if run.action != "reuse" and run.seconds is None]
+        per_row.setdefault((run.row.text, run.stage), []).append(run.seconds)
+        per_stage.setdefault(run.stage, []).append(run.seconds)
+    overall = [run.seconds for run in timed]
+    pending = [run for run in runs if run.action != "reuse" and run.seconds is None and run.status == "not run"]
     return sum(
-        statistics.fmean(per_row[run.row.text, run.is_stage1]) if (run.row.text, run.is_stage1) in per_row else overall
+        statistics.fmean(per_row.get((run.row.text, run.stage)) or per_stage.get(run.stage) or overall)
         for run in pending
     )
 
@@ -374,6 +392,10 @@ def markdown(results: list[RowResult], runs: list[Run], recipe: TrainConfig, com
         if status == "failed":
             failed = next(run for run in runs if run.row == result.row and run.status == "failed")
             status = f"failed (see `{failed.failed_log}`)"
+        elif status == "no: out of memory":
+            failed = next(run for run in runs if run.row == result.row and run.status == "out of memory")
+            if failed.failed_log != failed.log:
+                status = f"no: out of memory in its first stage (see `{failed.failed_log}`)"
         lines.append(
             f"| {result.row.label} | {accuracy_cell(result)} | {_rate(result.images_per_s)} | "
             f"{_number(result.epoch_s, 1)} | {_number(result.peak_mem_mib)} | {speedup} | {status} |"
@@ -441,7 +463,8 @@ def plot(results: list[RowResult], runs: list[Run], path: Path) -> None:
             ax_curve.set(ylabel=f"{split} accuracy (%)")
     ax_acc.set_yticks(range(len(results)), [result.row.label for result in reversed(results)])
     ax_acc.set(title="test accuracy (%): median, range over seeds, each seed", xlabel="test accuracy (%)")
-    ax_curve.set(title="accuracy per epoch: median over seeds, range shaded", xlabel="epoch")
+    second = " (second stage)" if any(run.stage1 is not None for run in runs) else ""
+    ax_curve.set(title=f"accuracy per epoch{second}: median over seeds, range shaded", xlabel="epoch")
     ax_curve.xaxis.set_major_locator(MaxNLocator(integer=True))
     if ax_curve.lines:
         ax_curve.legend(fontsize=8, loc="lower right")
@@ -460,7 +483,7 @@ def run_record(run: Run) -> dict[str, Any]:
     summary = run.summary or {}
     return {
         "row": run.row.text, "attn": run.row.attn, "options": run.row.options, "seed": run.seed,
-        "stage": 1 if run.is_stage1 else 2 if run.stage1 is not None else None, "status": run.status,
+        "stage": run.stage, "status": run.status,
         **{key: summary.get(key) for key in ("test_acc", "best_acc", "best_epoch", "epochs", "images_per_s",
                                               "peak_mem_mib", "mem_kind", "wall_time_s")},
         "epoch_time_s": epoch_seconds(run.history), "run_dir": str(run.run_dir),
@@ -493,16 +516,17 @@ def plan(args: argparse.Namespace, train_args: list[str]) -> list[Run]:
     for seed in args.seeds:  # every row's first seed, then every row's second: a partial table has every row
         for row in args.rows:
             run_dir = Path(args.run_root) / row.folder / f"seed{seed}"
-            stage = ["--epochs", str(args.epochs)] if args.epochs is not None else []
+            flags = ["--epochs", str(args.epochs)] if args.epochs is not None else []
             stage1 = None
             if args.stage1_img_size is not None:
                 stage1_dir = run_dir.with_name(f"{run_dir.name}-stage1")
-                stage1_argv = ["--epochs", str(args.stage1_epochs), "--img-size", str(args.stage1_img_size)]
-                stage1 = Run(row, seed, stage1_dir, train_argv(args, train_args, row, seed, stage1_dir, stage1_argv),
-                             is_stage1=True)
+                stage1_flags = ["--epochs", str(args.stage1_epochs), "--img-size", str(args.stage1_img_size)]
+                stage1 = Run(row, seed, stage1_dir, train_argv(args, train_args, row, seed, stage1_dir, stage1_flags),
+                             stage=1)
                 expected_config(stage1.argv)  # a ConfigError now rather than after hours of other rows
-                stage += ["--initial-checkpoint", str(stage1_dir)]
-            run = Run(row, seed, run_dir, train_argv(args, train_args, row, seed, run_dir, stage), stage1=stage1)
+                flags += ["--initial-checkpoint", str(stage1_dir)]
+            run = Run(row, seed, run_dir, train_argv(args, train_args, row, seed, run_dir, flags),
+                      stage=None if stage1 is None else 2, stage1=stage1)
             expected_config(run.argv)
             runs.append(run)
     return runs
@@ -510,11 +534,11 @@ def plan(args: argparse.Namespace, train_args: list[str]) -> list[Run]:
 
 def all_runs(runs: list[Run]) -> list[Run]:
     """Every train.py run, in the order they train: each run's first stage just before it."""
-    return [stage for run in runs for stage in (run.stage1, run) if stage is not None]
+    return [each for run in runs for each in (run.stage1, run) if each is not None]
 
 
-def name(run: Run) -> str:
-    return f"{run.row.text} seed {run.seed}{' (first stage)' if run.is_stage1 else ''}"
+def run_name(run: Run) -> str:
+    return f"{run.row.text} seed {run.seed}{' (first stage)' if run.stage == 1 else ''}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -534,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         if run.action == "reuse":
             read_run(run)
         elif run.action == "train" and why != "new":
-            print(f"{name(run)}: trained afresh: {why}", flush=True)
+            print(f"{run_name(run)}: trained afresh: {why}", flush=True)
     todo = [run for run in every_run if run.action != "reuse"]
     print(f"{len(every_run)} runs: {len(every_run) - len(todo)} finished before, {len(todo)} to train "
           f"({sum(run.action == 'resume' for run in todo)} resumed)", flush=True)
@@ -542,17 +566,18 @@ def main(argv: list[str] | None = None) -> int:
     for number, run in enumerate(todo, start=1):
         if run.stage1 is not None and run.stage1.status != "finished":
             run.status = run.stage1.status
-            print(f"[{number}/{len(todo)}] {name(run)}: not started, its first stage {run.stage1.status}", flush=True)
+            print(f"[{number}/{len(todo)}] {run_name(run)}: not started, its first stage {run.stage1.status}", flush=True)
+            write_outputs(output, summarize_rows(args.rows, runs), runs, recipe, command)
             continue
         eta = eta_seconds(every_run)
         remaining = f"; all {len(todo) - number + 1} left: about {duration(eta)}" if eta is not None else ""
         verb = "resumed" if run.action == "resume" else "started"
-        print(f"[{number}/{len(todo)}] {name(run)}: {verb}{remaining}", flush=True)
+        print(f"[{number}/{len(todo)}] {run_name(run)}: {verb}{remaining}", flush=True)
         execute(run)
         outcome = f"{100 * run.summary['test_acc']:.2f}%" if run.status == "finished" else f"{run.status}, see {run.log}"
         eta = eta_seconds(every_run)
         left = f"; {len(todo) - number} left: about {duration(eta)}" if number < len(todo) and eta is not None else ""
-        print(f"[{number}/{len(todo)}] {name(run)}: {outcome} in {duration(run.seconds)}{left}", flush=True)
+        print(f"[{number}/{len(todo)}] {run_name(run)}: {outcome} in {duration(run.seconds)}{left}", flush=True)
         write_outputs(output, summarize_rows(args.rows, runs), runs, recipe, command)  # a table so far, should it stop
     print(write_outputs(output, summarize_rows(args.rows, runs), runs, recipe, command))
     return 0 if all(run.status == "finished" for run in runs) else 1

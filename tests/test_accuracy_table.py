@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -303,7 +304,7 @@ def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tm
     _, _, runs = planned(tmp_path, "--stage1-img-size", "8", "--stage1-epochs", "2")
     timm0, floor0, _, _ = runs
     first = timm0.stage1
-    assert (first.run_dir, first.is_stage1) == (tmp_path / "runs" / "timm" / "seed0-stage1", True)
+    assert (first.run_dir, first.stage, timm0.stage) == (tmp_path / "runs" / "timm" / "seed0-stage1", 1, 2)
     stage1_config, config = table.expected_config(first.argv), table.expected_config(timm0.argv)
     assert (stage1_config.img_size, stage1_config.epochs, stage1_config.initial_checkpoint) == (8, 2, None)
     assert (config.img_size, config.epochs, config.initial_checkpoint) == (16, 1, str(first.run_dir))
@@ -315,9 +316,9 @@ def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tm
         commands.append(command)
         run_dir = Path(command[command.index("--run-dir") + 1])
         run = next(run for run in table.all_runs(runs) if run.run_dir == run_dir)
-        if run.row.attn == "floor" and run.is_stage1:
+        if run.row.attn == "floor" and run.stage == 1:
             return subprocess.CompletedProcess(command, 2)  # the first stage fails: its second never starts
-        finish(run, 0.25 if run.is_stage1 else 0.75)
+        finish(run, 0.25 if run.stage == 1 else 0.75)
         return subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(table.subprocess, "run", fake_train)
@@ -367,3 +368,46 @@ def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, 
     out = capsys.readouterr().out
     assert "timm seed 0: trained afresh: its first stage is trained in this invocation" in out
     assert "8 runs: 6 finished before, 2 to train (1 resumed)" in out
+
+
+def test_a_second_stage_older_than_its_first_stages_finish_is_trained_again(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args, train_args = table.parse_args(["--attn", "floor", "--run-root", "runs", "--stage1-img-size", "8",
+                                         "--stage1-epochs", "2", "--", *TINY])
+    (run,) = table.plan(args, train_args)
+    finish(run.stage1, 0.5)
+    finish(run, 0.5)
+    assert table.choose_action(run, retrain=False) == ("reuse", "finished with this config")
+    # the same runs, named from another spelling of the run root: still the same runs
+    args, train_args = table.parse_args(["--attn", "floor", "--run-root", str(tmp_path / "runs"),
+                                         "--stage1-img-size", "8", "--stage1-epochs", "2", "--", *TINY])
+    (spelled,) = table.plan(args, train_args)
+    assert table.choose_action(spelled, retrain=False) == ("reuse", "finished with this config")
+    # its first stage finished again (an invocation stopped between the stages): the second is stale
+    later = (run.run_dir / "config.yaml").stat().st_mtime + 10
+    os.utime(run.stage1.run_dir / "summary.json", (later, later))
+    assert table.choose_action(run, retrain=False) == ("train", "its first stage finished again after it started")
+
+
+def test_eta_counts_each_stage_at_its_own_time_and_not_the_runs_that_will_not_start():
+    first = [synthetic_run(row, 0, None, status="not run") for row in ("timm", "floor")]
+    second = [synthetic_run(row, 0, None, status="not run") for row in ("timm", "floor")]
+    for stage1, run in zip(first, second):
+        stage1.stage, run.stage, run.stage1 = 1, 2, stage1
+    runs = [first[0], second[0], first[1], second[1]]
+    first[0].seconds, second[0].seconds = 10.0, 70.0
+    first[0].status = second[0].status = "finished"
+    assert table.eta_seconds(runs) == 10.0 + 70.0  # floor's stages at timm's time of the same stage
+    first[1].seconds, first[1].status = 5.0, "out of memory"
+    second[1].status = "out of memory"  # not started: nothing left
+    assert table.eta_seconds(runs) == 0
+
+
+def test_a_first_stage_out_of_memory_names_its_log():
+    run = synthetic_run("axial", 0, None, status="out of memory")
+    run.stage1 = synthetic_run("axial", 0, None, status="out of memory")
+    run.stage1.run_dir, run.stage = Path("runs/axial/seed0-stage1"), 2
+    results = table.summarize_rows(table.parse_rows(["axial"]), [run])
+    assert table.markdown(results, [run], recipe(), "c").splitlines()[2] == (
+        f"| axial | — | — | — | — | — | no: out of memory in its first stage (see `{Path('runs/axial/seed0-stage1.log')}`) |"
+    )
