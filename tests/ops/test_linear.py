@@ -3,7 +3,9 @@ import torch
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
+from visattn.ops.backends import force_backend
 from visattn.ops.linear import FEATURE_MAPS, blocked, fused_qkv_linear_attn, packed_linear_attn
+from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
 
 SHAPES = [(1, 1, 5, 4), (2, 3, 37, 8), (1, 2, 130, 16)]  # N not a multiple of any chunk size used below
 SHAPE_IDS = [f"B{b}-H{h}-N{n}-d{d}" for b, h, n, d in SHAPES]
@@ -128,6 +130,50 @@ def test_noncausal_blocks_match_reference(shape, feature_map, small_blocks):
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
+
+
+# Each block shape's tokens as a grid after prefix tokens: 53 = 1 + 4 x 13, 37 = 1 + 6 x 6, 6 = 2 + 2 x 2.
+BLOCK_GRIDS = {53: ((4, 13), 1), 37: ((6, 6), 1), 6: ((2, 2), 2)}
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["axial-table", "per-head-table"])
+@pytest.mark.parametrize("feature_map", sorted(FEATURE_MAPS))
+@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=BLOCK_IDS)
+def test_noncausal_blocks_with_rope_match_reference(shape, feature_map, per_head, small_blocks):
+    """The blocked path turns the numerator's features block by block, and its backward turns their gradients
+    back: outputs and gradients as the naive twin's, with an (N, 2 d) table and a per-head (heads, N, 2 d) one
+    (a mixed table's values, as constants)."""
+    _, heads, n, d = shape
+    grid, prefix = BLOCK_GRIDS[n]
+    if per_head:
+        table = mixed_rope(init_mixed_rope_freqs(d, heads), grid, prefix).detach()
+    else:
+        table = axial_rope(grid, d, prefix)
+    q, k, v = _qkv(shape)
+
+    def blocked_op(q, k, v):
+        with force_backend("linear", "blocked"):
+            return ops.linear_attn(q, k, v, feature_map=feature_map, rope=table)
+
+    out, grads = grads_of(blocked_op, q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, feature_map, rope=table), q, k, v)
+    assert_rms_close(out, ref, 1e-5, "out")
+    for name, g, g_ref in zip("qkv", grads, ref_grads):
+        assert_rms_close(g, g_ref, 1e-5, f"d{name}")
+
+
+def test_blocked_rope_saves_only_its_inputs_the_state_and_the_table():
+    """With a rope table a training step still keeps no feature map, turned feature or output of N tokens."""
+    q, k, v = (t.requires_grad_(True) for t in _qkv((1, 2, 65, 8)))
+    table = axial_rope((8, 8), 8, 1)
+    saved = []
+    with force_backend("linear", "blocked"):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            ops.linear_attn(q, k, v, rope=table)
+    assert all(any(t is kept for kept in (q, k, v, table)) or t.numel() <= 2 * 8 * (8 + 1) for t in saved), [
+        tuple(t.shape) for t in saved
+    ]
+    assert sum(t.numel() for t in saved) == 3 * q.numel() + table.numel() + 2 * 8 * (8 + 1)
 
 
 @pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=BLOCK_IDS)

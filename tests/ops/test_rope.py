@@ -11,13 +11,15 @@ from hypothesis import strategies as st
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
-from visattn.ops.backends import force_backend
+from visattn.ops.backends import force_backend, select_backend
+from visattn.ops.linear import functional as linear_functional
 from visattn.ops.rope import (
     AXIAL_THETA,
     apply_rope,
     axial_rope,
     check_rope,
     init_mixed_rope_freqs,
+    inverse_rope,
     mixed_rope,
     naive_apply_rope,
 )
@@ -271,13 +273,29 @@ def test_linear_rope_of_zero_angles_is_plain_linear_attention():
         assert_rms_close(ops.linear_attn(q, k, v, causal=causal, rope=identity), plain, 1e-6)
 
 
-def test_linear_rope_runs_on_the_plain_path_and_the_blocked_one_refuses_it():
+def test_linear_rope_runs_blocked_on_the_cpu_unless_the_table_needs_a_gradient(monkeypatch):
+    """A constant table (axial, or any table without autograd) takes the blocked path, which keeps no
+    feature maps; learned frequencies while training take the plain one, which carries their gradient."""
     q = k = v = torch.randn(1, HEADS, P + 15, D)
-    table = axial_rope(GRID, D, P)
+    chosen = []
+
+    def recording(*args):
+        chosen.append(select_backend(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(linear_functional, "select_backend", recording)
+    freqs = init_mixed_rope_freqs(D, HEADS).requires_grad_(True)
+    learned = mixed_rope(freqs, GRID, P)
+    assert ops.backends.choose_linear_backend(q, causal=False) == "blocked"
+    assert ops.backends.choose_linear_backend(q, causal=False, learned_rope=True) == "plain"
     with force_backend("linear", "blocked"):
-        with pytest.raises(ValueError, match="'blocked' does not rotate; rope needs 'plain'"):
-            ops.linear_attn(q, k, v, rope=table)
-    assert ops.backends.choose_linear_backend(q, causal=False, rotated=True) == "plain"
+        with pytest.raises(ValueError, match="'blocked' takes a constant rope table; .* needs 'plain'"):
+            ops.linear_attn(q, k, v, rope=learned)
+    chosen.clear()
+    ops.linear_attn(q, k, v, rope=axial_rope(GRID, D, P))
+    ops.linear_attn(q, k, v, rope=learned.detach())
+    ops.linear_attn(q, k, v, rope=learned)
+    assert chosen == ["blocked", "blocked", "plain"]
 
 
 # ------------------------------------------------------------------------------------------- bad inputs
@@ -315,3 +333,16 @@ def test_slowest_axial_pair_turns_slower_than_any_grid_here():
     slowest = AXIAL_THETA ** (-4 * (d // 4 - 1) / d)
     assert 2 * math.pi / slowest > 400
     assert _angles(axial_rope((1, 2), d, 0, dtype=torch.float64))[1, -1].item() == pytest.approx(slowest, rel=1e-6)
+
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inverse_table_is_the_transposed_rotation(mode):
+    """inverse_rope's turn is R^T: it undoes R, and (R x) . y = x . (R^T y) for every token (R from the
+    naive twin's explicit matrices)."""
+    table = _table(mode, GRID, D, HEADS, P, dtype=torch.float64).detach()
+    x, y = (torch.randn(2, HEADS, P + GRID[0] * GRID[1], D, dtype=torch.float64) for _ in range(2))
+    # R^T R = I up to cos^2 + sin^2 - 1: the angles' sines and cosines are rounded in fp32 (2^-24 relative each)
+    assert_rms_close(apply_rope(apply_rope(x, table), inverse_rope(table)), x, 2**-22, "R^T R x")
+    turned_back = apply_rope(y, inverse_rope(table))
+    assert_rms_close((naive_apply_rope(x, table) * y).sum(-1), (x * turned_back).sum(-1), 1e-12, "adjoint")

@@ -130,6 +130,12 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return apply_rot_embed_cat(x, rope)
 
 
+def inverse_rope(rope: torch.Tensor) -> torch.Tensor:
+    """The table of the opposite turns (angles negated: sin flips, cos stays), R^T for each token's R."""
+    d = rope.shape[-1] // 2
+    return torch.cat([-rope[..., :d], rope[..., d:]], dim=-1)
+
+
 def naive_apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Naive twin of :func:`apply_rope`: each token times its explicit (d, d) block-diagonal rotation matrix,
     ``[[cos, -sin], [sin, cos]]`` on every channel pair (2i, 2i + 1)."""

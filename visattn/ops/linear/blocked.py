@@ -1,6 +1,7 @@
 """Non-causal linear attention in O(N d^2), walked block by block of tokens so that each block's feature
 map and products stay in cache; the backward pass recomputes the feature maps, so a training step
-stores only q, k, v and the (d, d + 1) state.
+stores only q, k, v and the (d, d + 1) state. With a rope table the numerator's features are turned
+block by block as well (:func:`visattn.ops.linear_attn`), and the backward turns their gradients back.
 
 A block is a run of whole images, or a run of tokens of one image when an image alone exceeds the
 cache budget: either way its tokens are consecutive rows of the (B * N, C) token matrix, and its work
@@ -24,6 +25,7 @@ from visattn.ops._checks import check_packed_qkv, check_qkv
 from visattn.ops._layout import split_heads, split_qkv, token_major_empty
 from visattn.ops._pieces import image_runs
 from visattn.ops.linear.feature_maps import FeatureMap, get_feature_map
+from visattn.ops.rope import apply_rope, check_rope_table, inverse_rope
 
 # Values per fp32 work buffer of a block on the CPU (1 MiB): the block's feature maps and products stay
 # in a core's cache, so every input is read from memory once per pass. Other devices take one block.
@@ -98,20 +100,32 @@ class TokenBlocks:
         return ext
 
 
+def block_rope(rope: torch.Tensor, block: Block) -> torch.Tensor:
+    """The rows of a (N, 2 d) or (heads, N, 2 d) rope table for the block's tokens."""
+    return rope[..., block.tokens, :]
+
+
 def kv_state(
-    keys_values: Callable[[Block], tuple[torch.Tensor, torch.Tensor]], blocks: TokenBlocks, phi: FeatureMap, batch: int
+    keys_values: Callable[[Block], tuple[torch.Tensor, torch.Tensor]], blocks: TokenBlocks, phi: FeatureMap, batch: int,
+    rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The state ``[S, z] = phi(k)^T [v, 1]`` (B, h, d, e + 1), fp32: S = phi(k)^T v and z = phi(k)^T 1 side
-    by side, from the key and value blocks (b, h, n, d) that ``keys_values(block)`` gives."""
+    by side, from the key and value blocks (b, h, n, d) that ``keys_values(block)`` gives. With a fp32
+    ``rope`` table, S = (R phi(k))^T v and z stays unturned."""
     state = None
     for block in blocks:
         k_blk, v_blk = keys_values(block)
+        e = v_blk.shape[-1]
         if state is None:
-            state = torch.zeros(
-                batch, blocks.heads, k_blk.shape[-1], v_blk.shape[-1] + 1, dtype=torch.float32, device=k_blk.device
-            )
+            state = torch.zeros(batch, blocks.heads, k_blk.shape[-1], e + 1, dtype=torch.float32, device=k_blk.device)
         phi_k = blocks.feature_map(phi, k_blk, block)
-        state[block.images] += phi_k.transpose(-2, -1) @ blocks.with_ones(v_blk, block)
+        v_ext = blocks.with_ones(v_blk, block)
+        if rope is None:
+            state[block.images] += phi_k.transpose(-2, -1) @ v_ext
+        else:
+            turned_k = apply_rope(phi_k, block_rope(rope, block))
+            state[block.images, ..., :e] += turned_k.transpose(-2, -1) @ v_ext[..., :e]
+            state[block.images, ..., e] += phi_k.sum(dim=-2)
     return state
 
 
@@ -122,31 +136,43 @@ def attend(
     phi: FeatureMap,
     eps: float,
     out: torch.Tensor,
+    rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Writes ``phi(q) S / max(phi(q) z, eps)`` into ``out`` (B, h, N, e), block by block of ``queries``."""
+    """Writes ``phi(q) S / max(phi(q) z, eps)`` into ``out`` (B, h, N, e), block by block of ``queries``;
+    with a fp32 ``rope`` table, ``(R phi(q)) S / max(phi(q) z, eps)``."""
     e = out.shape[-1]
     for block in blocks:
         phi_q = blocks.feature_map(phi, queries(block), block)
         num_den = torch.matmul(phi_q, state[block.images], out=blocks.buffer("ext", block, e + 1))
+        if rope is not None:  # the numerator of the turned features
+            num_den[..., :e] = apply_rope(phi_q, block_rope(rope, block)) @ state[block.images, ..., :e]
         torch.div(num_den[..., :e], num_den[..., e:].clamp_min_(eps), out=out[block.images, :, block.tokens])
     return out
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi: FeatureMap, eps: float, out: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi: FeatureMap, eps: float, out: torch.Tensor | None = None,
+    rope: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The output (B, h, N, e), written into ``out`` if given, else token-major in memory, and [S, z]."""
     batch, heads, n, e = v.shape
     with torch.autocast(device_type=q.device.type, enabled=False):
         blocks = TokenBlocks(batch, heads, n, max(q.shape[-1], e + 1), q.device)
-        state = kv_state(lambda blk: (k[blk.images, :, blk.tokens], v[blk.images, :, blk.tokens]), blocks, phi, batch)
+        state = kv_state(
+            lambda blk: (k[blk.images, :, blk.tokens], v[blk.images, :, blk.tokens]), blocks, phi, batch, rope
+        )
         out = token_major_empty(batch, heads, n, e, v) if out is None else out
-        attend(lambda blk: q[blk.images, :, blk.tokens], state, blocks, phi, eps, out)
+        attend(lambda blk: q[blk.images, :, blk.tokens], state, blocks, phi, eps, out, rope)
     return out, state
 
 
 def _backward(
-    saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, phi: FeatureMap, eps: float, grads: tuple[torch.Tensor, ...]
+    saved: tuple[torch.Tensor, ...],
+    grad_out: torch.Tensor,
+    phi: FeatureMap,
+    eps: float,
+    grads: tuple[torch.Tensor, ...],
+    rope: torch.Tensor | None = None,
 ) -> None:
     """Writes dq, dk, dv into ``grads`` (three tensors shaped like q, k, v, any strides).
 
@@ -154,18 +180,26 @@ def _backward(
     the output gradient g: the gradient of [num, den] is g' = [g, c] / max(den, eps) with
     c = -(g . out) where the clamp passes (0 elsewhere); then dphi(q) = g' [S, z]^T,
     d[S, z] = phi(q)^T g', dphi(k) = [v, 1] d[S, z]^T and dv = phi(k) dS.
+
+    With a rope table R, S = (R phi(k))^T v and num = (R phi(q)) S: the numerator's terms take the turned
+    features, and their gradients are turned back, R^T (a rotation's inverse): dphi(q) = R^T (g'_num S^T)
+    + g'_den z^T, dS = (R phi(q))^T g'_num, dphi(k) = R^T (v dS^T) + 1 dz^T and dv = (R phi(k)) dS.
     """
     q, k, v, state = saved
     dq, dk, dv = grads
     batch, heads, n, e = v.shape
     d = q.shape[-1]
     grad_state = torch.zeros_like(state)
+    inverse = None if rope is None else inverse_rope(rope)
     with torch.autocast(device_type=q.device.type, enabled=False):
         blocks = TokenBlocks(batch, heads, n, max(d, e + 1), q.device)
         for block in blocks:
             images, tokens = block.images, block.tokens
             phi_q = blocks.feature_map(phi, q[images, :, tokens], block)
             num_den = torch.matmul(phi_q, state[images], out=blocks.buffer("ext", block, e + 1))
+            if rope is not None:
+                turned_q = apply_rope(phi_q, block_rope(rope, block))
+                num_den[..., :e] = turned_q @ state[images, ..., :e]
             den = num_den[..., e:]
             live = den >= eps
             den.clamp_min_(eps)
@@ -173,39 +207,54 @@ def _backward(
             torch.div(grad_out[images, :, tokens], den, out=grad_ext[..., :e])
             c = torch.linalg.vecdot(grad_ext[..., :e], num_den[..., :e]).unsqueeze(-1)  # g . num / den
             torch.div(c, den, out=grad_ext[..., e:]).neg_().mul_(live)
-            grad_state[images] += phi_q.transpose(-2, -1) @ grad_ext
-            grad_phi_q = torch.matmul(grad_ext, state[images].transpose(-2, -1), out=blocks.buffer("scratch", block, d))
+            if rope is None:
+                grad_state[images] += phi_q.transpose(-2, -1) @ grad_ext
+                grad_phi_q = torch.matmul(
+                    grad_ext, state[images].transpose(-2, -1), out=blocks.buffer("scratch", block, d)
+                )
+            else:
+                grad_state[images, ..., :e] += turned_q.transpose(-2, -1) @ grad_ext[..., :e]
+                grad_state[images, ..., e:] += phi_q.transpose(-2, -1) @ grad_ext[..., e:]
+                grad_turned_q = grad_ext[..., :e] @ state[images, ..., :e].transpose(-2, -1)
+                grad_phi_q = apply_rope(grad_turned_q, block_rope(inverse, block))
+                grad_phi_q += grad_ext[..., e:] @ state[images, ..., e:].transpose(-2, -1)
             torch.mul(grad_phi_q, phi.derivative_(phi_q), out=dq[images, :, tokens])
         grad_state_t = grad_state.transpose(-2, -1)
         for block in blocks:
             images, tokens = block.images, block.tokens
             phi_k = blocks.feature_map(phi, k[images, :, tokens], block)
             v_ext = blocks.with_ones(v[images, :, tokens], block)
-            grad_v = torch.matmul(phi_k, grad_state[images, ..., :e], out=blocks.buffer("grad_ext", block, e))
+            if rope is None:
+                grad_v = torch.matmul(phi_k, grad_state[images, ..., :e], out=blocks.buffer("grad_ext", block, e))
+                grad_phi_k = torch.matmul(v_ext, grad_state_t[images], out=blocks.buffer("scratch", block, d))
+            else:
+                grad_v = apply_rope(phi_k, block_rope(rope, block)) @ grad_state[images, ..., :e]
+                grad_phi_k = apply_rope(v_ext[..., :e] @ grad_state_t[images, ..., :e, :], block_rope(inverse, block))
+                grad_phi_k += grad_state_t[images, ..., e:, :]  # the normalizer's dz, the same for every key
             dv[images, :, tokens] = grad_v
-            grad_phi_k = torch.matmul(v_ext, grad_state_t[images], out=blocks.buffer("scratch", block, d))
             torch.mul(grad_phi_k, phi.derivative_(phi_k), out=dk[images, :, tokens])
 
 
 class _BlockedLinearAttention(torch.autograd.Function):
-    """Saves q, k, v and the small state [S, z]; the backward pass recomputes the feature maps block by
-    block, so a training step stores no (N, d) tensor of its own. The output is laid out token-major,
-    (B, N, h, e) in memory, so merging the heads afterwards is a view."""
+    """Saves q, k, v and the small state [S, z] (and the rope table, if any); the backward pass recomputes
+    the feature maps (and their turns) block by block, so a training step stores no (N, d) tensor of its
+    own. The output is laid out token-major, (B, N, h, e) in memory, so merging the heads afterwards is a
+    view. The table is a constant: it gets no gradient (a learned table's is taken by the plain path)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, phi: FeatureMap, eps: float):
-        out, state = _forward(q, k, v, phi, eps)
-        ctx.save_for_backward(q, k, v, state)
+    def forward(ctx, q, k, v, phi: FeatureMap, eps: float, rope: torch.Tensor | None):
+        out, state = _forward(q, k, v, phi, eps, rope=rope)
+        ctx.save_for_backward(q, k, v, state, rope)
         ctx.phi, ctx.eps = phi, eps
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
+        *saved, rope = ctx.saved_tensors
         grads = tuple(torch.empty_like(t) for t in saved[:3])
-        _backward(saved, grad_out, ctx.phi, ctx.eps, grads)
-        return *grads, None, None
+        _backward(tuple(saved), grad_out, ctx.phi, ctx.eps, grads, rope)
+        return *grads, None, None, None
 
 
 class _PackedLinearAttention(torch.autograd.Function):
@@ -237,7 +286,8 @@ class _PackedLinearAttention(torch.autograd.Function):
 
 
 def blocked_linear_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str = "elu", eps: float = 1e-6
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: str = "elu", eps: float = 1e-6,
+    rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Non-causal linear attention, block by block of tokens.
 
@@ -245,11 +295,20 @@ def blocked_linear_attn(
         q, k, v: (B, heads, N, d).
         feature_map: ``"elu"`` (elu + 1) or ``"relu"``.
         eps: lower bound of the normalizer ``phi(q_i) . sum_j phi(k_j)``.
+        rope: a rotation table, (N, 2 d) or (heads, N, 2 d) (:mod:`visattn.ops.rope`), that needs no
+            gradient: the features of the numerator are turned, as :func:`visattn.ops.linear_attn` says.
     Returns:
         (B, heads, N, d) in v's dtype, computed in fp32; a view of a token-major (B, N, heads, d) tensor.
     """
     check_qkv(q, k, v, "blocked_linear_attn")
-    return _BlockedLinearAttention.apply(q, k, v, get_feature_map(feature_map), eps)
+    if rope is not None:
+        check_rope_table(q, rope, "blocked_linear_attn")
+        if rope.requires_grad:
+            raise ValueError(
+                "blocked_linear_attn: the rope table needs a gradient (learned frequencies); use the 'plain' path"
+            )
+        rope = rope.float()
+    return _BlockedLinearAttention.apply(q, k, v, get_feature_map(feature_map), eps, rope)
 
 
 def packed_linear_attn(

@@ -39,7 +39,8 @@ def linear_attn(
         rope: a rotation table, (N, 2 d) or (heads, N, 2 d) (:mod:`visattn.ops.rope`): the features are
             rotated after the feature map, in the numerator only (RoFormer's linear attention,
             ``sum_j (R_i phi(q_i))^T (R_j phi(k_j)) v_j / sum_j phi(q_i)^T phi(k_j)``), so the normalizer stays
-            positive. Runs on ``"plain"`` (non-causal) or ``"chunk"`` (causal).
+            positive. Runs on every path; ``"blocked"`` takes it as a constant, so a table that needs a
+            gradient (learned frequencies) runs on ``"plain"`` (non-causal) or ``"chunk"`` (causal).
     Returns:
         (B, heads, N, d), in v's dtype; computed in fp32.
     """
@@ -47,7 +48,8 @@ def linear_attn(
     get_feature_map(feature_map)  # a bad name fails before a path is chosen
     if rope is not None:
         check_rope_table(q, rope, "linear_attn")
-    name = select_backend("linear", backend, lambda: choose_linear_backend(q, causal, rope is not None))
+    learned_rope = rope is not None and rope.requires_grad
+    name = select_backend("linear", backend, lambda: choose_linear_backend(q, causal, learned_rope))
     if causal != (name == "chunk"):
         raise ValueError(
             f"linear_attn: backend {name!r} is {'non-' if causal else ''}causal; causal={causal} needs "
@@ -57,6 +59,9 @@ def linear_attn(
         return chunk_linear_attn(q, k, v, feature_map, chunk_size, eps, rope)
     if name == "plain":
         return plain_linear_attn(q, k, v, feature_map, eps, rope)
-    if rope is not None:
-        raise ValueError("linear_attn: backend 'blocked' does not rotate; rope needs 'plain' (or 'chunk' when causal)")
-    return blocked_linear_attn(q, k, v, feature_map, eps)
+    if learned_rope:
+        raise ValueError(
+            "linear_attn: backend 'blocked' takes a constant rope table; one that needs a gradient (learned "
+            "frequencies, rope='mixed') needs 'plain' (or 'chunk' when causal)"
+        )
+    return blocked_linear_attn(q, k, v, feature_map, eps, rope)
