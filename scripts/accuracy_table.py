@@ -24,8 +24,8 @@ validation (``--initial-checkpoint``, which resamples the position embedding to 
 saved ``config.yaml`` is the config this command would train is reused, not retrained; one with that config
 and a checkpoint but no summary (an invocation that was stopped) is resumed; any other is trained afresh
 (``--retrain``: every run). A second stage started before its first stage last finished is trained afresh,
-whatever its config. A table that needs hours is so built over several invocations. One line per run says when it starts and ends, with its time and the
-estimated time of the runs left.
+whatever its config. A table that needs hours is so built over several invocations. One line per run says
+when it starts and ends, with its time and the estimated time of the runs left.
 
 Written after every run (``--output NAME.md``): the markdown table; ``NAME.png``, test accuracy per row with
 its range over the seeds, and the validation accuracy of every epoch per row; ``NAME.json`` and ``NAME.csv``,
@@ -222,10 +222,12 @@ def choose_action(run: Run, retrain: bool) -> tuple[str, str]:
         saved = make_config(read_yaml(config_file))
     except ConfigError as error:
         return "train", f"its saved config is unreadable here ({error})"
-    # A second stage's initial_checkpoint is its first stage's folder, however --run-root was spelled: what
-    # matters is whether it started after that first stage last finished.
+    # A second stage's initial_checkpoint names its first stage's folder, however --run-root was spelled:
+    # compared as that folder, and by whether it started after that first stage last finished.
     ignored = ("initial_checkpoint",) if run.stage1 is not None else ()
     differences = config_differences(saved, expected_config(run.argv), ignored)
+    if run.stage1 is not None and not starts_from(saved, run.stage1):
+        differences.append(f"initial_checkpoint: {saved.initial_checkpoint!r} -> {str(run.stage1.run_dir)!r}")
     if differences:
         return "train", f"its config differs: {'; '.join(differences)}"
     if run.stage1 is not None and started_before(run, run.stage1):
@@ -235,6 +237,11 @@ def choose_action(run: Run, retrain: bool) -> tuple[str, str]:
     if list_checkpoints(run.run_dir):
         return "resume", "stopped before the end, resumed from its last checkpoint"
     return "train", "no checkpoint to resume from"
+
+
+def starts_from(saved: TrainConfig, first: Run) -> bool:
+    """Whether a saved config starts from ``first``'s folder (its weights), however the path is spelled."""
+    return saved.initial_checkpoint is not None and Path(saved.initial_checkpoint).resolve() == first.run_dir.resolve()
 
 
 def started_before(run: Run, first: Run) -> bool:
@@ -286,7 +293,11 @@ def eta_seconds(runs: list[Run]) -> float | None:
         per_row.setdefault((run.row.text, run.stage), []).append(run.seconds)
         per_stage.setdefault(run.stage, []).append(run.seconds)
     overall = [run.seconds for run in timed]
-    pending = [run for run in runs if run.action != "reuse" and run.seconds is None and run.status == "not run"]
+    pending = [
+        run for run in runs
+        if run.action != "reuse" and run.seconds is None and run.status == "not run"
+        and (run.stage1 is None or run.stage1.status in ("finished", "not run"))  # else it will not start
+    ]
     return sum(
         statistics.fmean(per_row.get((run.row.text, run.stage)) or per_stage.get(run.stage) or overall)
         for run in pending

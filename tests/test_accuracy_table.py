@@ -383,6 +383,14 @@ def test_a_second_stage_older_than_its_first_stages_finish_is_trained_again(tmp_
                                          "--stage1-img-size", "8", "--stage1-epochs", "2", "--", *TINY])
     (spelled,) = table.plan(args, train_args)
     assert table.choose_action(spelled, retrain=False) == ("reuse", "finished with this config")
+    # a run of the same config trained from scratch in that folder is not this second stage
+    scratch = table.expected_config(run.argv)
+    scratch.initial_checkpoint = None
+    (run.run_dir / "config.yaml").write_text(config_yaml(scratch))
+    assert table.choose_action(run, retrain=False)[1] == (
+        f"its config differs: initial_checkpoint: None -> {str(run.stage1.run_dir)!r}"
+    )
+    (run.run_dir / "config.yaml").write_text(config_yaml(table.expected_config(run.argv)))
     # its first stage finished again (an invocation stopped between the stages): the second is stale
     later = (run.run_dir / "config.yaml").stat().st_mtime + 10
     os.utime(run.stage1.run_dir / "summary.json", (later, later))
@@ -398,8 +406,7 @@ def test_eta_counts_each_stage_at_its_own_time_and_not_the_runs_that_will_not_st
     first[0].seconds, second[0].seconds = 10.0, 70.0
     first[0].status = second[0].status = "finished"
     assert table.eta_seconds(runs) == 10.0 + 70.0  # floor's stages at timm's time of the same stage
-    first[1].seconds, first[1].status = 5.0, "out of memory"
-    second[1].status = "out of memory"  # not started: nothing left
+    first[1].seconds, first[1].status = 5.0, "out of memory"  # its second stage will not start
     assert table.eta_seconds(runs) == 0
 
 

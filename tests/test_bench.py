@@ -305,8 +305,8 @@ def test_dense_local_path_counts_the_masked_pairs_beside_the_credited_ones(attn)
 
 
 def test_linear_flops_with_rope_match_flop_counter():
-    """With rope the layer splits its projection and runs the plain matmuls: the rotated numerator and the
-    unrotated normalizer are separate products."""
+    """With rope the layer splits its projection and the op turns the numerator's features: the rotated
+    numerator and the unrotated normalizer are separate products (blocked on the CPU, as plain elsewhere)."""
     img = (64, 96)
     model = _tiny_model("linear", img, rope="axial")
     shape = ViTShape.from_model(model)

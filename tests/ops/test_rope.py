@@ -287,10 +287,12 @@ def test_linear_rope_runs_blocked_on_the_cpu_unless_the_table_needs_a_gradient(m
     freqs = init_mixed_rope_freqs(D, HEADS).requires_grad_(True)
     learned = mixed_rope(freqs, GRID, P)
     assert ops.backends.choose_linear_backend(q, causal=False) == "blocked"
-    assert ops.backends.choose_linear_backend(q, causal=False, learned_rope=True) == "plain"
+    assert ops.backends.choose_linear_backend(q, causal=False, rope_needs_grad=True) == "plain"
     with force_backend("linear", "blocked"):
         with pytest.raises(ValueError, match="'blocked' takes a constant rope table; .* needs 'plain'"):
             ops.linear_attn(q, k, v, rope=learned)
+    with torch.no_grad(), force_backend("linear", "blocked"):  # no gradient taken: a constant here
+        ops.linear_attn(q, k, v, rope=learned)
     chosen.clear()
     ops.linear_attn(q, k, v, rope=axial_rope(GRID, D, P))
     ops.linear_attn(q, k, v, rope=learned.detach())
@@ -333,7 +335,6 @@ def test_slowest_axial_pair_turns_slower_than_any_grid_here():
     slowest = AXIAL_THETA ** (-4 * (d // 4 - 1) / d)
     assert 2 * math.pi / slowest > 400
     assert _angles(axial_rope((1, 2), d, 0, dtype=torch.float64))[1, -1].item() == pytest.approx(slowest, rel=1e-6)
-
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -92,16 +92,16 @@ def _eager_on_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def choose_linear_backend(t: torch.Tensor, causal: bool, learned_rope: bool = False) -> str:
+def choose_linear_backend(t: torch.Tensor, causal: bool, rope_needs_grad: bool = False) -> str:
     """Causal: the chunked product. Non-causal on the CPU: the blocked autograd function, whose
     cache-sized blocks pay on a CPU and whose backward recomputes the feature maps (and their turns by a
     rope table) instead of keeping them. Elsewhere, inside a compiled graph and with a rope table that
-    needs a gradient (``learned_rope``: learned frequencies while training, which the blocked function
+    needs a gradient (``rope_needs_grad``: learned frequencies while training, which the blocked function
     treats as constant): the plain batched matmuls, which GPU kernels run whole and a compiler fuses with
     the feature maps."""
     if causal:
         return "chunk"
-    return "plain" if learned_rope or not _eager_on_cpu(t) else "blocked"
+    return "plain" if rope_needs_grad or not _eager_on_cpu(t) else "blocked"
 
 
 def choose_decayed_linear_backend(single_tile: bool) -> str:

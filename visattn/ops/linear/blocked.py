@@ -24,6 +24,7 @@ import torch
 from visattn.ops._checks import check_packed_qkv, check_qkv
 from visattn.ops._layout import split_heads, split_qkv, token_major_empty
 from visattn.ops._pieces import image_runs
+from visattn.ops.backends import needs_autograd
 from visattn.ops.linear.feature_maps import FeatureMap, get_feature_map
 from visattn.ops.rope import apply_rope, check_rope_table, inverse_rope
 
@@ -143,10 +144,13 @@ def attend(
     e = out.shape[-1]
     for block in blocks:
         phi_q = blocks.feature_map(phi, queries(block), block)
-        num_den = torch.matmul(phi_q, state[block.images], out=blocks.buffer("ext", block, e + 1))
-        if rope is not None:  # the numerator of the turned features
-            num_den[..., :e] = apply_rope(phi_q, block_rope(rope, block)) @ state[block.images, ..., :e]
-        torch.div(num_den[..., :e], num_den[..., e:].clamp_min_(eps), out=out[block.images, :, block.tokens])
+        if rope is None:
+            num_den = torch.matmul(phi_q, state[block.images], out=blocks.buffer("ext", block, e + 1))
+            num, den = num_den[..., :e], num_den[..., e:]
+        else:  # the turned features in the numerator, the unturned ones in the normalizer
+            num = apply_rope(phi_q, block_rope(rope, block)) @ state[block.images, ..., :e]
+            den = phi_q @ state[block.images, ..., e:]
+        torch.div(num, den.clamp_min_(eps), out=out[block.images, :, block.tokens])
     return out
 
 
@@ -196,16 +200,18 @@ def _backward(
         for block in blocks:
             images, tokens = block.images, block.tokens
             phi_q = blocks.feature_map(phi, q[images, :, tokens], block)
-            num_den = torch.matmul(phi_q, state[images], out=blocks.buffer("ext", block, e + 1))
-            if rope is not None:
+            if rope is None:
+                num_den = torch.matmul(phi_q, state[images], out=blocks.buffer("ext", block, e + 1))
+                num, den = num_den[..., :e], num_den[..., e:]
+            else:
                 turned_q = apply_rope(phi_q, block_rope(rope, block))
-                num_den[..., :e] = turned_q @ state[images, ..., :e]
-            den = num_den[..., e:]
+                num = turned_q @ state[images, ..., :e]
+                den = phi_q @ state[images, ..., e:]
             live = den >= eps
             den.clamp_min_(eps)
             grad_ext = blocks.buffer("grad_ext", block, e + 1)
             torch.div(grad_out[images, :, tokens], den, out=grad_ext[..., :e])
-            c = torch.linalg.vecdot(grad_ext[..., :e], num_den[..., :e]).unsqueeze(-1)  # g . num / den
+            c = torch.linalg.vecdot(grad_ext[..., :e], num).unsqueeze(-1)  # g . num / den
             torch.div(c, den, out=grad_ext[..., e:]).neg_().mul_(live)
             if rope is None:
                 grad_state[images] += phi_q.transpose(-2, -1) @ grad_ext
@@ -303,7 +309,7 @@ def blocked_linear_attn(
     check_qkv(q, k, v, "blocked_linear_attn")
     if rope is not None:
         check_rope_table(q, rope, "blocked_linear_attn")
-        if rope.requires_grad:
+        if needs_autograd(rope):
             raise ValueError(
                 "blocked_linear_attn: the rope table needs a gradient (learned frequencies); use the 'plain' path"
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from visattn.ops._checks import check_positive_int
-from visattn.ops.backends import choose_linear_backend, select_backend
+from visattn.ops.backends import choose_linear_backend, needs_autograd, select_backend
 from visattn.ops.linear.blocked import blocked_linear_attn
 from visattn.ops.linear.chunk import chunk_linear_attn
 from visattn.ops.linear.feature_maps import get_feature_map
@@ -48,8 +48,8 @@ def linear_attn(
     get_feature_map(feature_map)  # a bad name fails before a path is chosen
     if rope is not None:
         check_rope_table(q, rope, "linear_attn")
-    learned_rope = rope is not None and rope.requires_grad
-    name = select_backend("linear", backend, lambda: choose_linear_backend(q, causal, learned_rope))
+    rope_needs_grad = rope is not None and needs_autograd(rope)
+    name = select_backend("linear", backend, lambda: choose_linear_backend(q, causal, rope_needs_grad))
     if causal != (name == "chunk"):
         raise ValueError(
             f"linear_attn: backend {name!r} is {'non-' if causal else ''}causal; causal={causal} needs "
@@ -59,7 +59,7 @@ def linear_attn(
         return chunk_linear_attn(q, k, v, feature_map, chunk_size, eps, rope)
     if name == "plain":
         return plain_linear_attn(q, k, v, feature_map, eps, rope)
-    if learned_rope:
+    if rope_needs_grad:
         raise ValueError(
             "linear_attn: backend 'blocked' takes a constant rope table; one that needs a gradient (learned "
             "frequencies, rope='mixed') needs 'plain' (or 'chunk' when causal)"
