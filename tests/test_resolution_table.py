@@ -1,0 +1,147 @@
+"""scripts/resolution_table.py: a model trained at one size, tested whole and tiled at a larger one."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from visattn.models import create_model
+from visattn.train.config import make_config
+from visattn.train.data import load_splits
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import train  # noqa: E402  (the script at the repository root)
+
+_spec = importlib.util.spec_from_file_location("resolution_table", REPO / "scripts" / "resolution_table.py")
+resolution = importlib.util.module_from_spec(_spec)
+sys.modules["resolution_table"] = resolution  # its dataclasses look their module up there
+_spec.loader.exec_module(resolution)
+
+# 96 train / 50 validation / 50 test digits at 16x16, patch 4 (4x4 grid).
+TINY = [
+    "--max-train-samples", "96", "--max-eval-samples", "50", "--img-size", "16", "--patch-size", "4",
+    "--embed-dim", "16", "--depth", "2", "--num-heads", "2", "--batch-size", "16", "--epochs", "1",
+    "--warmup-epochs", "0",
+]
+
+
+def test_the_most_confident_tile_is_the_tile_with_the_top_probability():
+    torch.manual_seed(0)
+    model = create_model("visattn_vit_tiny_patch16", img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2,
+                         num_classes=5, attn="linear").eval()
+    with torch.no_grad():
+        model.head.weight.mul_(50)  # tiles' top probabilities far apart, so the choice is not a rounding tie
+    # 8 px tiles of 16 x 20 px images: rows at 0 and 8; columns at 0, 8 and 12, the last moved back to the edge
+    images = torch.randn(3, 3, 16, 20)
+    with torch.no_grad():
+        chosen = resolution.MostConfidentTile(model, overlap=0)(images)
+        for image, logits in zip(images, chosen):
+            tiles = [image[:, top:top + 8, left:left + 8] for top in (0, 8) for left in (0, 8, 12)]
+            each = model(torch.stack(tiles))  # (6, 5)
+            top = each.softmax(dim=-1).amax(dim=-1)
+            assert top.sort().values[-1] - top.sort().values[-2] > 1e-3
+            torch.testing.assert_close(logits, each[top.argmax()], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_at_its_own_size_every_column_is_the_runs_test_accuracy(tmp_path, capsys):
+    # At the size it was trained at an image is one tile, the position embedding is not resampled and the
+    # test split is the run's: every way of testing gives the accuracy train.py reported.
+    first = tmp_path / "root" / "softmax+rope=axial" / "seed0-stage1"
+    assert train.main([*TINY, "--max-train-samples", "640", "--epochs", "5", "--attn", "softmax", "--attn-kwargs", "rope=axial", "--run-dir", str(first)]) == 0
+    output = tmp_path / "table.md"
+    assert resolution.main(["--run-root", str(tmp_path / "root"), "--attn", "softmax:rope=axial", "--img-size", "16",
+                            "--overlap", "0", "--batch-size", "16", "--output", str(output)]) == 0
+    tested = json.loads(output.with_suffix(".json").read_text())["runs"][0]["accuracy"]
+    reported = json.loads((first / "summary.json").read_text())["test_acc"]
+    assert tested.pop("trained on") is None  # no second stage
+    assert tested == {column: reported for column in tested}
+    assert 0.2 < reported < 1, reported  # a trained model, so the columns could tell each other apart
+    assert "| softmax (rope=axial) | 1 |" in output.read_text()
+
+
+@pytest.mark.slow
+def test_a_generated_dataset_is_drawn_larger_normalized_as_trained_and_a_failing_column_is_reported(tmp_path, capsys):
+    # A linformer without ref_grid has projections for its own grid only: it cannot be built at 64 px, but
+    # its tiles (of the 32 px it was trained at) run. The 64 px canvases are normalized with the 32 px
+    # training split's statistics, which differ from theirs.
+    first = tmp_path / "root" / "linformer" / "seed0-stage1"
+    assert train.main([
+        "--dataset", "cluttered-digits", "--dataset-kwargs", "seed=0", "train_size=64", "val_size=20", "test_size=20",
+        "digit_size=16", "clutter_size=6", "--data-dir", str(tmp_path / "data"), "--img-size", "32", "--patch-size", "4",
+        "--embed-dim", "16", "--depth", "1", "--num-heads", "2", "--batch-size", "16", "--epochs", "1",
+        "--warmup-epochs", "0", "--attn", "linformer", "--run-dir", str(first),
+    ]) == 0
+    capsys.readouterr()
+    output = tmp_path / "table.md"
+    assert resolution.main(["--run-root", str(tmp_path / "root"), "--attn", "linformer", "--img-size", "64",
+                            "--overlap", "0", "16", "--output", str(output)]) == 1
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(":")[1].strip() for line in errors] == ["linformer seed 0, upsampled", "linformer seed 0, whole"]
+    run = json.loads(output.with_suffix(".json").read_text())["runs"][0]
+    assert set(run["errors"]) == {"upsampled", "whole"} and "size mismatch" in run["errors"]["whole"]
+    assert all(0 <= run["accuracy"][column] <= 1 for column in
+               ("tiled, overlap 0 px", "tiled, overlap 16 px", "most confident tile"))
+    assert "| linformer | 1 | " in output.read_text() and "| error | error |" in output.read_text()
+
+    stage = resolution.read_first_stage("linformer", 0, first)
+    larger = resolution.split_images(stage, (64, 64), 64, {})
+    config = resolution.replace(stage.config, img_size=64)
+    canvases = load_splits(config).eval
+    assert len(larger) == len(canvases) == 20 and larger.tensors[0].shape == (20, 3, 64, 64)
+    pixels = torch.from_numpy(np.asarray(canvases[0][0], dtype=np.float32) / 255).permute(2, 0, 1)
+    mean, std = (torch.tensor(values)[:, None, None] for values in (stage.mean, stage.std))
+    torch.testing.assert_close(larger.tensors[0][0], (pixels - mean) / std)
+    assert tuple(load_splits(config).mean) != tuple(stage.mean)  # the larger canvases' own statistics are not the model's
+    upsampled = resolution.split_images(stage, (32, 32), 64, {})
+    assert upsampled.tensors[0].shape == (20, 3, 64, 64) and not torch.equal(upsampled.tensors[0], larger.tensors[0])
+
+
+def test_sizes_the_tiles_cannot_take_name_their_flag():
+    stage = resolution.FirstStage("linear", 0, Path("run"), make_config({"img_size": 32, "patch_size": 4}), {},
+                                  (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
+    resolution.check_sizes(stage, 64, [0, 16, 28])
+    for img_size, overlaps, message in [
+        (16, [0], "--img-size: a multiple of the patch size 4 px, at least the size 32x32 px"),
+        (66, [0], "--img-size: a multiple of the patch size 4 px"),
+        (64, [0, 6], "--overlap: overlap height must be a multiple of the patch size 4 px"),
+        (64, [32], "--overlap: overlap height must be a multiple of the patch size 4 px in [0, tile height 32)"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            resolution.check_sizes(stage, img_size, overlaps)
+
+
+def test_a_missing_or_unfinished_run_is_one_line_naming_it(tmp_path, capsys):
+    assert resolution.main(["--run-root", str(tmp_path), "--attn", "linear", "--img-size", "32",
+                            "--output", str(tmp_path / "t.md")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "linear/seed0-stage1/config.yaml does not exist" in error
+    run_dir = tmp_path / "linear" / "seed0-stage1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("attn: linear\n")  # a run that has not finished: no summary.json
+    assert resolution.main(["--run-root", str(tmp_path), "--attn", "linear", "--img-size", "32",
+                            "--output", str(tmp_path / "t.md")]) == 2
+    assert "summary.json does not exist: not a finished training run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--overlap", "-4"], "--overlap: pixels >= 0"),
+    (["--img-size", "0"], "--img-size: must be >= 1"),
+    (["--output", "t.txt"], "--output: a markdown file name"),
+    (["--attn", "nosuch"], "unknown attention 'nosuch'"),
+    (["--batch-size", "0"], "--batch-size: must be >= 1"),
+    (["--overlap", "0", "0"], "--overlap: each value once"),
+])
+def test_bad_flags_are_refused_by_name(flags, message, capsys):
+    base = {"--run-root": ["r"], "--attn": ["linear"], "--img-size": ["32"]}
+    base[flags[0]] = flags[1:]
+    with pytest.raises(SystemExit):
+        resolution.main([word for flag, values in base.items() for word in (flag, *values)])
+    assert message in capsys.readouterr().err
