@@ -451,8 +451,10 @@ def plot(results: list[RowResult], runs: list[Run], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (ax_acc, ax_curve) = plt.subplots(1, 2, figsize=(13, 0.45 * len(results) + 3))
-    palette = iter(plt.get_cmap("tab10").colors * len(results))
+    fig, (ax_acc, ax_curve) = plt.subplots(1, 2, figsize=(16, 0.45 * len(results) + 3))
+    # tab20 without its two greys, which would read as floor's: 18 colours before one repeats
+    colors = [color for index, color in enumerate(plt.get_cmap("tab20").colors) if index not in (14, 15)]
+    palette = iter(colors * len(results))
     for index, result in enumerate(results):
         # the references as in visattn-bench's plots: timm black, floor grey and dashed
         color = {TIMM_ATTENTION: "black", "floor": "grey"}.get(result.row.attn) or next(palette)
@@ -473,12 +475,12 @@ def plot(results: list[RowResult], runs: list[Run], path: Path) -> None:
             ax_curve.fill_between(epochs, [min(v) for v in per_epoch], [max(v) for v in per_epoch], color=color, alpha=0.15)
             ax_curve.set(ylabel=f"{split} accuracy (%)")
     ax_acc.set_yticks(range(len(results)), [result.row.label for result in reversed(results)])
-    ax_acc.set(title="test accuracy (%): median, range over seeds, each seed", xlabel="test accuracy (%)")
+    ax_acc.set(title="test accuracy (%)\nmedian, range over seeds, each seed", xlabel="test accuracy (%)")
     second = " (second stage)" if any(run.stage1 is not None for run in runs) else ""
-    ax_curve.set(title=f"accuracy per epoch{second}: median over seeds, range shaded", xlabel="epoch")
+    ax_curve.set(title=f"accuracy per epoch{second}\nmedian over seeds, range shaded", xlabel="epoch")
     ax_curve.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if ax_curve.lines:
-        ax_curve.legend(fontsize=8, loc="lower right")
+    if ax_curve.lines:  # beside the curves, never over them
+        ax_curve.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
     for ax in (ax_acc, ax_curve):
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -248,7 +248,6 @@ def evaluate(stage: FirstStage, img_size: int, overlaps: list[int], merge: str, 
     for overlap in overlaps:
         attempt(tiled_column(overlap), lambda: TiledViT(small(), overlap=overlap, merge=merge), larger)
     attempt(MOST_CONFIDENT, lambda: MostConfidentTile(small(), max(overlaps)), larger)
-    evaluation.accuracy[SECOND_STAGE] = second_stage_accuracy(stage, img_size)
     return evaluation
 
 
@@ -325,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{stage.row} seed {stage.seed}: {shown}", flush=True)
         for column, reason in evaluation.errors.items():
             print(f"error: {stage.row} seed {stage.seed}, {column}: {reason}", file=sys.stderr, flush=True)
+    for stage, evaluation in zip(stages, evaluations):  # read last: a second stage may finish meanwhile
+        evaluation.accuracy[SECOND_STAGE] = second_stage_accuracy(stage, args.img_size)
     text = markdown(evaluations, [row.label for row in args.rows], args.overlap, args.img_size, command)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
