@@ -452,8 +452,10 @@ def plot(results: list[RowResult], runs: list[Run], path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax_acc, ax_curve) = plt.subplots(1, 2, figsize=(16, 0.45 * len(results) + 3))
-    # tab20 without its two greys, which would read as floor's: 18 colours before one repeats
-    colors = [color for index, color in enumerate(plt.get_cmap("tab20").colors) if index not in (14, 15)]
+    # tab20's dark shades, then its light ones, without its two greys (floor's): 18 colours before one
+    # repeats, and neighbouring rows never in two shades of one hue
+    tab20 = [color for index, color in enumerate(plt.get_cmap("tab20").colors) if index not in (14, 15)]
+    colors = tab20[0::2] + tab20[1::2]
     palette = iter(colors * len(results))
     for index, result in enumerate(results):
         # the references as in visattn-bench's plots: timm black, floor grey and dashed

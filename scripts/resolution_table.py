@@ -27,7 +27,9 @@ Beside them, from the runs' ``summary.json``: the test accuracy at the size the 
 that of its second stage (``seed<k>``, the same model trained on at ``--img-size``) where there is one.
 Accuracies are the median over ``--seeds`` with their range. A column that cannot be tested for a run (a
 model that cannot be built at the larger size) is one line on stderr, ``error`` in its cell and the reason in
-the JSON, and the exit status is 1. Writes the markdown table (``--output``) and the same as JSON.
+the JSON, and the exit status is 1; a run that is missing or unfinished, or a size its tiles cannot take,
+stops the script before anything is tested, with one line, exit status 2. Writes the markdown table
+(``--output``) and the same as JSON, with each column's seconds (the forward passes over the test split).
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ TRAINED = "trained size"
 UPSAMPLED = "upsampled"
 WHOLE = "whole"
 MOST_CONFIDENT = "most confident tile"
-SECOND_STAGE = "trained on"
+SECOND_STAGE = "second stage"
 
 
 def tiled_column(overlap: int) -> str:
@@ -77,8 +79,8 @@ def columns(overlaps: list[int]) -> list[str]:
 
 
 @dataclass
-class FirstStage:
-    """A finished run trained at the small size: what it was trained with and what it reported."""
+class FinishedRun:
+    """A finished training run: what it was trained with and what it reported."""
 
     row: str
     seed: int
@@ -103,7 +105,7 @@ class Evaluation:
     run_dir: str
     trained_hw: tuple[int, int]
     accuracy: dict[str, float | None] = field(default_factory=dict)  # a column -> test accuracy (None: no such run)
-    seconds: dict[str, float] = field(default_factory=dict)  # a column tested here -> wall seconds
+    seconds: dict[str, float] = field(default_factory=dict)  # a column tested here -> seconds of its forward passes
     errors: dict[str, str] = field(default_factory=dict)  # a column that could not be tested -> why
 
 
@@ -139,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def read_first_stage(row: str, seed: int, run_dir: Path) -> FirstStage:
+def read_run(row: str, seed: int, run_dir: Path) -> FinishedRun:
     """The finished run in ``run_dir``; ValueError (one line naming the file) for one that is not."""
     for name in (CONFIG_FILE, SUMMARY_FILE):
         if not (run_dir / name).is_file():
@@ -152,16 +154,16 @@ def read_first_stage(row: str, seed: int, run_dir: Path) -> FirstStage:
     if not isinstance(test_acc, (int, float)):
         raise ValueError(f"{run_dir / SUMMARY_FILE}: test_acc is {test_acc!r}, not a number")
     data_config = recorded_data_config(read_model_file(run_dir))
-    return FirstStage(row, seed, run_dir, make_config(read_yaml(run_dir / CONFIG_FILE)), summary,
+    return FinishedRun(row, seed, run_dir, make_config(read_yaml(run_dir / CONFIG_FILE)), summary,
                       data_config["mean"], data_config["std"])
 
 
-def check_sizes(stage: FirstStage, img_size: int, overlaps: list[int]) -> None:
+def check_sizes(stage: FinishedRun, img_size: int, overlaps: list[int]) -> None:
     """ValueError, naming the flag, for a size or an overlap the tiles of ``stage``'s model cannot take."""
     trained, patch = stage.config.image_hw, stage.config.patch_size
     if img_size < max(trained) or img_size % patch:
-        raise ValueError(f"--img-size: a multiple of the patch size {patch} px, at least the size "
-                         f"{trained[0]}x{trained[1]} px {stage.run_dir} was trained at, got {img_size}")
+        raise ValueError(f"--img-size: must be a multiple of the patch size ({patch} px) and at least the size "
+                         f"{stage.run_dir} was trained at ({trained[0]}x{trained[1]} px), got {img_size}")
     for overlap in overlaps:
         try:
             tile_layout((img_size, img_size), trained, overlap, (patch, patch))
@@ -169,7 +171,7 @@ def check_sizes(stage: FirstStage, img_size: int, overlaps: list[int]) -> None:
             raise ValueError(f"--overlap: {error} (tiles of {stage.run_dir}'s {trained[0]}x{trained[1]} px)") from None
 
 
-def split_images(stage: FirstStage, drawn_hw: tuple[int, int], img_size: int, cache: dict[str, TensorDataset]) -> TensorDataset:
+def split_images(stage: FinishedRun, drawn_hw: tuple[int, int], img_size: int, cache: dict[str, TensorDataset]) -> TensorDataset:
     """The test split of ``stage``'s dataset (a generated one drawn at ``drawn_hw``) as train.py's evaluation
     transforms it to ``img_size`` pixels, normalized with ``stage``'s own mean and std, without the files
     its run left out; transformed once and kept in ``cache`` for every run of the same data."""
@@ -214,7 +216,7 @@ def accuracy(model: nn.Module, dataset: TensorDataset, batch_size: int) -> float
     return correct / len(dataset)
 
 
-def evaluate(stage: FirstStage, img_size: int, overlaps: list[int], merge: str, batch_size: int,
+def evaluate(stage: FinishedRun, img_size: int, overlaps: list[int], merge: str, batch_size: int,
              cache: dict[str, TensorDataset]) -> Evaluation:
     """Every column of ``stage`` at ``img_size``; a column whose model cannot be built or run is recorded in
     ``errors`` and the others are tested all the same."""
@@ -222,14 +224,14 @@ def evaluate(stage: FirstStage, img_size: int, overlaps: list[int], merge: str, 
     evaluation.accuracy[TRAINED] = stage.summary["test_acc"]
 
     def attempt(column: str, build: Callable[[], nn.Module], dataset: Callable[[], TensorDataset]) -> None:
-        start = time.perf_counter()
         try:
-            evaluation.accuracy[column] = accuracy(build(), dataset(), batch_size)
+            model, images = build(), dataset()
+            start = time.perf_counter()
+            evaluation.accuracy[column] = accuracy(model, images, batch_size)
+            evaluation.seconds[column] = time.perf_counter() - start
         except (ValueError, RuntimeError, OSError, DataError) as error:
             evaluation.accuracy[column] = None
-            evaluation.errors[column] = str(error).splitlines()[0]
-            return
-        evaluation.seconds[column] = time.perf_counter() - start
+            evaluation.errors[column] = (str(error).splitlines() or [type(error).__name__])[0]
 
     def whole() -> nn.Module:
         return load_trained_model(stage.run_dir, stage.weights, img_size=img_size)
@@ -251,11 +253,11 @@ def evaluate(stage: FirstStage, img_size: int, overlaps: list[int], merge: str, 
     return evaluation
 
 
-def second_stage_accuracy(stage: FirstStage, img_size: int) -> float | None:
+def second_stage_accuracy(stage: FinishedRun, img_size: int) -> float | None:
     """The test accuracy of ``stage``'s second stage (``seed<k>`` beside it), if it finished at ``img_size``."""
     second = stage.run_dir.parent / f"seed{stage.seed}"
     try:
-        stage_two = read_first_stage(stage.row, stage.seed, second)
+        stage_two = read_run(stage.row, stage.seed, second)
     except (ValueError, ConfigError, OSError):
         return None
     return stage_two.summary["test_acc"] if stage_two.config.image_hw == (img_size, img_size) else None
@@ -278,19 +280,20 @@ def _size(hw: tuple[int, int]) -> str:
 
 
 def markdown(evaluations: list[Evaluation], rows: list[str], overlaps: list[int], img_size: int, command: str) -> str:
-    small = "/".join(_size(hw) for hw in sorted({tuple(e.trained_hw) for e in evaluations})) or "the first stage's size"
+    small = "/".join(_size(hw) for hw in sorted({tuple(e.trained_hw) for e in evaluations}))
     heads = {
         TRAINED: f"test at {small} (trained there)",
         UPSAMPLED: f"its test images upsampled to {img_size} px",
         WHOLE: f"whole, {img_size} px test set",
         **{tiled_column(overlap): f"tiled, {overlap} px overlap" for overlap in overlaps},
         MOST_CONFIDENT: f"most confident tile, {max(overlaps)} px overlap",
-        SECOND_STAGE: f"trained on at {img_size} px",
+        SECOND_STAGE: f"second stage (trained on at {img_size} px)",
     }
     keys = columns(overlaps)
     lines = [
         f"Test accuracy at {img_size} px of models trained at {small}, median [min–max] over seeds; "
-        f"the {img_size} px test set is the dataset's, drawn at {img_size} px.",
+        f"the {img_size} px test set is the dataset's test split at {img_size} px (a generated dataset drawn "
+        f"at that size, a dataset of files the upsampled images).",
         "",
         f"Command: `{command}`",
         "",
@@ -308,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join(["python", "scripts/resolution_table.py", *(sys.argv[1:] if argv is None else argv)])
     try:
-        stages = [read_first_stage(row.label, seed, Path(args.run_root) / row.folder / f"seed{seed}-stage1")
+        stages = [read_run(row.label, seed, Path(args.run_root) / row.folder / f"seed{seed}-stage1")
                   for row in args.rows for seed in args.seeds]
         for stage in stages:
             check_sizes(stage, args.img_size, args.overlap)

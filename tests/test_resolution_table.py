@@ -1,6 +1,7 @@
 """scripts/resolution_table.py: a model trained at one size, tested whole and tiled at a larger one."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from visattn.models import create_model
+from visattn.predict import load_trained_model
+from visattn.tiled import TiledViT
 from visattn.train.config import make_config
 from visattn.train.data import load_splits
 
@@ -51,7 +54,7 @@ def test_the_most_confident_tile_is_the_tile_with_the_top_probability():
 
 
 @pytest.mark.slow
-def test_at_its_own_size_every_column_is_the_runs_test_accuracy(tmp_path, capsys):
+def test_at_its_own_size_every_column_is_the_runs_test_accuracy(tmp_path):
     # At the size it was trained at an image is one tile, the position embedding is not resampled and the
     # test split is the run's: every way of testing gives the accuracy train.py reported.
     first = tmp_path / "root" / "softmax+rope=axial" / "seed0-stage1"
@@ -61,56 +64,96 @@ def test_at_its_own_size_every_column_is_the_runs_test_accuracy(tmp_path, capsys
                             "--overlap", "0", "--batch-size", "16", "--output", str(output)]) == 0
     tested = json.loads(output.with_suffix(".json").read_text())["runs"][0]["accuracy"]
     reported = json.loads((first / "summary.json").read_text())["test_acc"]
-    assert tested.pop("trained on") is None  # no second stage
+    assert tested.pop("second stage") is None  # no second stage
     assert tested == {column: reported for column in tested}
     assert 0.2 < reported < 1, reported  # a trained model, so the columns could tell each other apart
     assert "| softmax (rope=axial) | 1 |" in output.read_text()
 
 
+CLUTTERED = [
+    "--dataset", "cluttered-digits", "--dataset-kwargs", "seed=0", "train_size=64", "val_size=20", "test_size=20",
+    "digit_size=16", "clutter_size=6", "--patch-size", "4", "--embed-dim", "16", "--depth", "1", "--num-heads", "2",
+    "--batch-size", "16", "--epochs", "1", "--warmup-epochs", "0",
+]
+
+
 @pytest.mark.slow
-def test_a_generated_dataset_is_drawn_larger_normalized_as_trained_and_a_failing_column_is_reported(tmp_path, capsys):
-    # A linformer without ref_grid has projections for its own grid only: it cannot be built at 64 px, but
-    # its tiles (of the 32 px it was trained at) run. The 64 px canvases are normalized with the 32 px
-    # training split's statistics, which differ from theirs.
-    first = tmp_path / "root" / "linformer" / "seed0-stage1"
-    assert train.main([
-        "--dataset", "cluttered-digits", "--dataset-kwargs", "seed=0", "train_size=64", "val_size=20", "test_size=20",
-        "digit_size=16", "clutter_size=6", "--data-dir", str(tmp_path / "data"), "--img-size", "32", "--patch-size", "4",
-        "--embed-dim", "16", "--depth", "1", "--num-heads", "2", "--batch-size", "16", "--epochs", "1",
-        "--warmup-epochs", "0", "--attn", "linformer", "--run-dir", str(first),
-    ]) == 0
+def test_each_column_tests_its_own_images_and_a_failing_column_is_reported(tmp_path, capsys, monkeypatch):
+    # Two first stages at 32 px tested at 64 px. A linformer without ref_grid has projections for its own grid
+    # only: it cannot be built at 64 px, but its tiles (of 32 px) run. The softmax has a second stage at 64 px.
+    root, data = tmp_path / "root", ["--data-dir", str(tmp_path / "data")]
+    assert train.main([*CLUTTERED, *data, "--img-size", "32", "--attn", "linformer",
+                       "--run-dir", str(root / "linformer" / "seed0-stage1")]) == 0
+    for size, run_dir, start in ((32, "seed0-stage1", []), (64, "seed0", ["--initial-checkpoint", str(root / "softmax" / "seed0-stage1")])):
+        assert train.main([*CLUTTERED, *data, "--img-size", str(size), "--attn", "softmax",
+                           "--run-dir", str(root / "softmax" / run_dir), *start]) == 0
     capsys.readouterr()
     output = tmp_path / "table.md"
-    assert resolution.main(["--run-root", str(tmp_path / "root"), "--attn", "linformer", "--img-size", "64",
+    assert resolution.main(["--run-root", str(root), "--attn", "linformer", "softmax", "--img-size", "64",
                             "--overlap", "0", "16", "--output", str(output)]) == 1
     errors = capsys.readouterr().err.strip().splitlines()
     assert [line.split(":")[1].strip() for line in errors] == ["linformer seed 0, upsampled", "linformer seed 0, whole"]
-    run = json.loads(output.with_suffix(".json").read_text())["runs"][0]
-    assert set(run["errors"]) == {"upsampled", "whole"} and "size mismatch" in run["errors"]["whole"]
-    assert all(0 <= run["accuracy"][column] <= 1 for column in
-               ("tiled, overlap 0 px", "tiled, overlap 16 px", "most confident tile"))
+    linformer, softmax = json.loads(output.with_suffix(".json").read_text())["runs"]
+    assert set(linformer["errors"]) == {"upsampled", "whole"} and "size mismatch" in linformer["errors"]["whole"]
     assert "| linformer | 1 | " in output.read_text() and "| error | error |" in output.read_text()
+    assert not softmax["errors"]
 
-    stage = resolution.read_first_stage("linformer", 0, first)
+    # every column of the softmax, computed here from its own images and model (a model this small stays near
+    # chance, so the columns may agree: which model and images each takes is checked below)
+    stage = resolution.read_run("softmax", 0, root / "softmax" / "seed0-stage1")
+    upsampled = resolution.split_images(stage, (32, 32), 64, {})
     larger = resolution.split_images(stage, (64, 64), 64, {})
-    config = resolution.replace(stage.config, img_size=64)
+    whole, small = (load_trained_model(stage.run_dir, img_size=size) for size in (64, 32))
+    expected = {
+        "upsampled": resolution.accuracy(whole, upsampled, 32),
+        "whole": resolution.accuracy(whole, larger, 32),
+        "tiled, overlap 0 px": resolution.accuracy(TiledViT(small, overlap=0), larger, 32),
+        "tiled, overlap 16 px": resolution.accuracy(TiledViT(small, overlap=16), larger, 32),
+        "most confident tile": resolution.accuracy(resolution.MostConfidentTile(small, 16), larger, 32),
+        "trained size": stage.summary["test_acc"],
+        "second stage": json.loads((root / "softmax" / "seed0" / "summary.json").read_text())["test_acc"],
+    }
+    assert softmax["accuracy"] == expected
+
+    tested = []
+
+    def recorded(model, dataset, batch_size):
+        tested.append((model, dataset))
+        return 0.5
+
+    monkeypatch.setattr(resolution, "accuracy", recorded)
+    cache = {}
+    upsampled, larger = (resolution.split_images(stage, drawn, 64, cache) for drawn in ((32, 32), (64, 64)))
+    evaluation = resolution.evaluate(stage, 64, [0, 16], "crop", 32, cache)
+    assert list(evaluation.accuracy) == ["trained size", "upsampled", "whole", "tiled, overlap 0 px",
+                                         "tiled, overlap 16 px", "most confident tile"]
+    (up, up_images), (whole, whole_images), (tiled0, images0), (tiled16, images16), (best, best_images) = tested
+    assert up_images is upsampled and all(images is larger for images in (whole_images, images0, images16, best_images))
+    assert [type(model).__name__ for model in (up, whole, tiled0, tiled16, best)] == \
+        ["VisionTransformer", "VisionTransformer", "TiledViT", "TiledViT", "MostConfidentTile"]
+    assert up.patch_embed.img_size == whole.patch_embed.img_size == (64, 64)
+    assert (tiled0.overlap, tiled16.overlap, best.overlap) == (0, 16, 16)
+    assert tiled0.model.patch_embed.img_size == best.model.patch_embed.img_size == (32, 32)
+
+    # the larger canvases are the dataset's at 64 px, normalized with the 32 px training split's statistics
+    config = dataclasses.replace(stage.config, img_size=64)
     canvases = load_splits(config).eval
     assert len(larger) == len(canvases) == 20 and larger.tensors[0].shape == (20, 3, 64, 64)
     pixels = torch.from_numpy(np.asarray(canvases[0][0], dtype=np.float32) / 255).permute(2, 0, 1)
     mean, std = (torch.tensor(values)[:, None, None] for values in (stage.mean, stage.std))
     torch.testing.assert_close(larger.tensors[0][0], (pixels - mean) / std)
     assert tuple(load_splits(config).mean) != tuple(stage.mean)  # the larger canvases' own statistics are not the model's
-    upsampled = resolution.split_images(stage, (32, 32), 64, {})
     assert upsampled.tensors[0].shape == (20, 3, 64, 64) and not torch.equal(upsampled.tensors[0], larger.tensors[0])
 
 
 def test_sizes_the_tiles_cannot_take_name_their_flag():
-    stage = resolution.FirstStage("linear", 0, Path("run"), make_config({"img_size": 32, "patch_size": 4}), {},
-                                  (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
+    stage = resolution.FinishedRun("linear", 0, Path("run"), make_config({"img_size": 32, "patch_size": 4}), {},
+                                   (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
     resolution.check_sizes(stage, 64, [0, 16, 28])
     for img_size, overlaps, message in [
-        (16, [0], "--img-size: a multiple of the patch size 4 px, at least the size 32x32 px"),
-        (66, [0], "--img-size: a multiple of the patch size 4 px"),
+        (16, [0], "--img-size: must be a multiple of the patch size (4 px) and at least the size run was trained at "
+                  "(32x32 px), got 16"),
+        (66, [0], "--img-size: must be a multiple of the patch size (4 px)"),
         (64, [0, 6], "--overlap: overlap height must be a multiple of the patch size 4 px"),
         (64, [32], "--overlap: overlap height must be a multiple of the patch size 4 px in [0, tile height 32)"),
     ]:
@@ -138,6 +181,7 @@ def test_a_missing_or_unfinished_run_is_one_line_naming_it(tmp_path, capsys):
     (["--attn", "nosuch"], "unknown attention 'nosuch'"),
     (["--batch-size", "0"], "--batch-size: must be >= 1"),
     (["--overlap", "0", "0"], "--overlap: each value once"),
+    (["--seeds", "1", "1"], "--seeds: each value once"),
 ])
 def test_bad_flags_are_refused_by_name(flags, message, capsys):
     base = {"--run-root": ["r"], "--attn": ["linear"], "--img-size": ["32"]}
