@@ -1,7 +1,32 @@
-"""Comparison helpers shared by the tests."""
+"""Helpers shared by the tests: comparisons, the repository's scripts as modules, a tiny training recipe."""
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# train.py flags for a run of seconds: 96 train / 50 validation / 50 test digits at 16x16, patch 4 (a 4x4
+# grid), 6 steps of 16 per epoch.
+TINY = [
+    "--max-train-samples", "96", "--max-eval-samples", "50", "--img-size", "16", "--patch-size", "4",
+    "--embed-dim", "16", "--depth", "2", "--num-heads", "2", "--batch-size", "16", "--epochs", "1",
+    "--warmup-epochs", "0",
+]
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` as the module ``name``, registered in ``sys.modules`` (where its dataclasses look
+    their module up)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def rms_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

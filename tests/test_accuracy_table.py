@@ -3,7 +3,6 @@ and ``train.py --attn timm``, the table's reference, training timm's own attenti
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,21 +17,12 @@ from visattn.layers import GridAttention
 from visattn.predict import load_trained_model
 from visattn.train.config import config_yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, TINY, load_script
+
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402  (the script at the repository root)
 
-_spec = importlib.util.spec_from_file_location("accuracy_table", REPO / "scripts" / "accuracy_table.py")
-table = importlib.util.module_from_spec(_spec)
-sys.modules["accuracy_table"] = table  # its dataclasses look their module up there
-_spec.loader.exec_module(table)
-
-# 96 train / 50 validation / 50 test digits at 16x16, patch 4 (4x4 grid): 6 steps of 16 per epoch.
-TINY = [
-    "--max-train-samples", "96", "--max-eval-samples", "50", "--img-size", "16", "--patch-size", "4",
-    "--embed-dim", "16", "--depth", "2", "--num-heads", "2", "--batch-size", "16", "--epochs", "1",
-    "--warmup-epochs", "0",
-]
+table = load_script("accuracy_table")
 
 
 # -- rows -------------------------------------------------------------------------------------------------

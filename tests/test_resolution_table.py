@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import sys
@@ -18,21 +17,12 @@ from visattn.tiled import TiledViT
 from visattn.train.config import make_config
 from visattn.train.data import load_splits
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, TINY, load_script
+
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402  (the script at the repository root)
 
-_spec = importlib.util.spec_from_file_location("resolution_table", REPO / "scripts" / "resolution_table.py")
-resolution = importlib.util.module_from_spec(_spec)
-sys.modules["resolution_table"] = resolution  # its dataclasses look their module up there
-_spec.loader.exec_module(resolution)
-
-# 96 train / 50 validation / 50 test digits at 16x16, patch 4 (4x4 grid).
-TINY = [
-    "--max-train-samples", "96", "--max-eval-samples", "50", "--img-size", "16", "--patch-size", "4",
-    "--embed-dim", "16", "--depth", "2", "--num-heads", "2", "--batch-size", "16", "--epochs", "1",
-    "--warmup-epochs", "0",
-]
+resolution = load_script("resolution_table")
 
 
 def test_the_most_confident_tile_is_the_tile_with_the_top_probability():
