@@ -130,6 +130,20 @@ def kv_state(
     return state
 
 
+def numerator_and_normalizer(
+    blocks: TokenBlocks, block: Block, phi_q: torch.Tensor, state: torch.Tensor, rope: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``phi(q) [S, z]`` of one block of queries as (num, den, the turned features ``R phi(q)`` or None):
+    without rope one product into the block's buffer; with it, the turned features against S and the
+    unturned ones against z, so that the normalizer stays positive."""
+    e = state.shape[-1] - 1
+    if rope is None:
+        num_den = torch.matmul(phi_q, state[block.images], out=blocks.buffer("ext", block, e + 1))
+        return num_den[..., :e], num_den[..., e:], None
+    turned_q = apply_rope(phi_q, block_rope(rope, block))
+    return turned_q @ state[block.images, ..., :e], phi_q @ state[block.images, ..., e:], turned_q
+
+
 def attend(
     queries: Callable[[Block], torch.Tensor],
     state: torch.Tensor,
@@ -141,15 +155,9 @@ def attend(
 ) -> torch.Tensor:
     """Writes ``phi(q) S / max(phi(q) z, eps)`` into ``out`` (B, h, N, e), block by block of ``queries``;
     with a fp32 ``rope`` table, ``(R phi(q)) S / max(phi(q) z, eps)``."""
-    e = out.shape[-1]
     for block in blocks:
         phi_q = blocks.feature_map(phi, queries(block), block)
-        if rope is None:
-            num_den = torch.matmul(phi_q, state[block.images], out=blocks.buffer("ext", block, e + 1))
-            num, den = num_den[..., :e], num_den[..., e:]
-        else:  # the turned features in the numerator, the unturned ones in the normalizer
-            num = apply_rope(phi_q, block_rope(rope, block)) @ state[block.images, ..., :e]
-            den = phi_q @ state[block.images, ..., e:]
+        num, den, _ = numerator_and_normalizer(blocks, block, phi_q, state, rope)
         torch.div(num, den.clamp_min_(eps), out=out[block.images, :, block.tokens])
     return out
 
@@ -200,13 +208,7 @@ def _backward(
         for block in blocks:
             images, tokens = block.images, block.tokens
             phi_q = blocks.feature_map(phi, q[images, :, tokens], block)
-            if rope is None:
-                num_den = torch.matmul(phi_q, state[images], out=blocks.buffer("ext", block, e + 1))
-                num, den = num_den[..., :e], num_den[..., e:]
-            else:
-                turned_q = apply_rope(phi_q, block_rope(rope, block))
-                num = turned_q @ state[images, ..., :e]
-                den = phi_q @ state[images, ..., e:]
+            num, den, turned_q = numerator_and_normalizer(blocks, block, phi_q, state, rope)
             live = den >= eps
             den.clamp_min_(eps)
             grad_ext = blocks.buffer("grad_ext", block, e + 1)
