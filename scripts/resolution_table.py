@@ -34,6 +34,7 @@ stops the script before anything is tested, with one line, exit status 2. Writes
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import statistics
@@ -233,9 +234,13 @@ def evaluate(stage: FinishedRun, img_size: int, overlaps: list[int], merge: str,
             evaluation.accuracy[column] = None
             evaluation.errors[column] = (str(error).splitlines() or [type(error).__name__])[0]
 
+    # Each model is read once for the columns that share it; one that fails is tried again by each, which
+    # then records the error.
+    @functools.cache
     def whole() -> nn.Module:
         return load_trained_model(stage.run_dir, stage.weights, img_size=img_size)
 
+    @functools.cache
     def small() -> nn.Module:
         return load_trained_model(stage.run_dir, stage.weights)
 
