@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import importlib.util
 import io
 import json
 import logging
 import math
 import re
-from pathlib import Path
 
 import pytest
 import timm
@@ -30,6 +28,8 @@ from visattn.ops.backends import force_backend
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
+
+from tests.helpers import load_script
 
 TINY_MODEL = ["--model-kwargs", "embed_dim=32", "depth=1", "num_heads=2", "--num-classes", "10"]
 FAST = ["--min-iters", "1", "--min-seconds", "0", "--warmup", "0", "--settle", "0"]
@@ -563,10 +563,7 @@ def test_patch_size_of_names():
 
 def test_profile_block_script_reports_each_type(capsys):
     """scripts/profile_block.py: one line of block time against floor, then the top operators, per type."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_block.py"
-    spec = importlib.util.spec_from_file_location("profile_block", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("profile_block")
     assert module.main(["--attn", "linear", "axial", "--size", "64", "--repeats", "1", "--top", "2"]) == 0
     out = capsys.readouterr().out
     for attn in ("linear", "axial"):

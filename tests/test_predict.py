@@ -2,7 +2,6 @@
 folders, unreadable files, JSON output, bad run directories and runs written before the data config."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
+from tests.helpers import load_script
 from tests.test_train import ENV, REPO, TINY, _image_folder, train
 from visattn.predict import find_images, load_predictor, load_trained_model, predict, read_model_file
 from visattn.predict.cli import main as predict_main
@@ -297,9 +297,7 @@ def test_a_run_without_data_config_or_class_names_still_loads_and_says_so(tiny_r
 
 
 def test_the_digits_script_writes_the_evaluation_digits_as_an_image_folder(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("digits_images", REPO / "scripts" / "digits_images.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("digits_images")
     assert script.main([str(tmp_path), "--count", "12"]) == 0
     files, _ = find_images([tmp_path])
     evaluation = load_splits(TrainConfig()).eval
