@@ -198,6 +198,19 @@ def test_pathfinder_curves_keep_their_clearance_and_stay_smooth():
             assert np.isclose(gaps, g.paddle_gaps[0]).all() or np.isclose(gaps, g.paddle_gaps[1]).all()
 
 
+@pytest.mark.parametrize("distractors", [0, 3])
+def test_the_distractor_count_changes_only_the_distractors(distractors):
+    for index in range(4):
+        level_scene = pf.scene_of(small("pathfinder", level="easy"), PF_HW, "train", index)
+        scene = pf.scene_of(small("pathfinder", level="easy", distractors=distractors), PF_HW, "train", index)
+        targets = level_scene.curve_of < 2  # drawn before the distractors, from the same generator
+        assert np.array_equal(scene.paddles[scene.curve_of < 2], level_scene.paddles[targets])
+        assert set(np.unique(scene.curve_of)) == set(range(2 + distractors))
+        assert (scene.curve_of >= 2).sum() == distractors * pf.LEVELS["easy"].distractor_length
+        assert scene.connected == (index % 2 == 1)
+        assert joined_in_image(pf.render(scene), scene.markers) == scene.connected
+
+
 def test_harder_levels_draw_longer_paths():
     lengths = [pf.LEVELS[name].contour_length for name in ("easy", "intermediate", "hard")]
     assert lengths == [6, 9, 14]
@@ -300,7 +313,13 @@ def test_load_splits_serves_a_generated_dataset(tmp_path):
         ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"levels": "easy"}},
          "^dataset_kwargs: .* no option 'levels'; its options: seed, train_size"),
         ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"train_size": 0}}, "train_size: must be >= 1"),
-        ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"seed": "one"}}, "option 'seed': expected int"),
+        ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"seed": "one"}}, "option 'seed': expected int, got 'one'"),
+        ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"distractors": "few"}},
+         "option 'distractors': expected int or None, got 'few'"),
+        ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"distractors": True}},
+         "option 'distractors': expected int or None, got True"),
+        ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"distractors": -1}},
+         "^dataset_kwargs: pathfinder distractors must be >= 0 \\(or null: the level's\\), got -1"),
         ({"dataset": "pathfinder", "img_size": 32}, "^img_size: .* at least 64 px .*configs/pathfinder.yaml"),
         ({"dataset": "cluttered-digits", "img_size": 32}, "^img_size: a 32x32 canvas leaves no room"),
         ({"dataset": "cluttered-digits", "img_size": 128, "dataset_kwargs": {"clutter_size": 40}},

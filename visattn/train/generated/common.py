@@ -63,12 +63,14 @@ def parse_options(task: Task, values: Mapping[str, Any]) -> Any:
     for key, value in values.items():
         if key not in fields:
             raise ValueError(f"dataset_kwargs: dataset {task.name!r} has no option {key!r}; its options: {', '.join(fields)}")
-        expected = hints[key]
-        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        expected = hints[key]  # a type, or a union such as ``int | None``
+        accepted = typing.get_args(expected) or (expected,)
+        ok = isinstance(value, expected) and not (isinstance(value, bool) and bool not in accepted)
+        if float in accepted and isinstance(value, int) and not isinstance(value, bool):
             ok = True
         if not ok:
-            raise ValueError(f"dataset_kwargs: {task.name} option {key!r}: expected {expected.__name__}, got {value!r}")
+            names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in accepted)
+            raise ValueError(f"dataset_kwargs: {task.name} option {key!r}: expected {names}, got {value!r}")
     floats = {key for key, hint in hints.items() if hint is float}
     options = task.options(**{key: float(value) if key in floats else value for key, value in values.items()})
     for split in SPLITS:

@@ -26,7 +26,7 @@ sample ``index`` of ``split`` is fixed by ``(seed, split, index)`` alone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -289,18 +289,22 @@ class _SceneBuilder:
 
 
 def make_scene(height: int, width: int, level: str, connected: bool, rng: np.random.Generator,
-               geometry: Geometry = GEOMETRY) -> Scene:
-    """A scene of ``level`` whose markers are (or are not) joined, drawn from ``rng``."""
+               geometry: Geometry = GEOMETRY, num_distractors: int | None = None) -> Scene:
+    """A scene of ``level`` whose markers are (or are not) joined, drawn from ``rng``, with the level's
+    number of distractor curves unless ``num_distractors`` is given."""
     if level not in LEVELS:
         raise ValueError(f"pathfinder level {level!r} is not one of {', '.join(LEVELS)}")
+    chosen = LEVELS[level]
+    if num_distractors is not None:
+        chosen = replace(chosen, num_distractors=num_distractors)
     scaled = geometry.scaled(height, width)
-    builder = _SceneBuilder(height, width, scaled, LEVELS[level], rng)
+    builder = _SceneBuilder(height, width, scaled, chosen, rng)
     for _ in range(_TARGET_TRIES):
         if builder.targets():
             break
     else:
         raise ValueError(
-            f"pathfinder: no room for two {LEVELS[level].contour_length}-paddle curves on a {height}x{width} canvas; "
+            f"pathfinder: no room for two {chosen.contour_length}-paddle curves on a {height}x{width} canvas; "
             "use a larger image or an easier level"
         )
     builder.distractors()
@@ -338,9 +342,11 @@ def render(scene: Scene) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PathfinderOptions(SplitSizes):
-    """``--dataset pathfinder`` options (``--dataset-kwargs level=easy``): the level and the split sizes."""
+    """``--dataset pathfinder`` options (``--dataset-kwargs level=easy distractors=0``): the level, the number
+    of distractor curves when not the level's, and the split sizes."""
 
     level: str = "hard"
+    distractors: int | None = None
 
 
 MIN_SIDE = 64  # below this the strokes are thinner than a pixel
@@ -354,11 +360,14 @@ def check_options(options: PathfinderOptions, image_hw: tuple[int, int]) -> None
             f"img_size: pathfinder images must be at least {MIN_SIDE} px on each side, got {image_hw[0]}x{image_hw[1]} "
             "(the recipe, configs/pathfinder.yaml, draws them at 128)"
         )
+    if options.distractors is not None and options.distractors < 0:
+        raise ValueError(f"dataset_kwargs: pathfinder distractors must be >= 0 (or null: the level's), got {options.distractors}")
 
 
 def scene_of(options: PathfinderOptions, image_hw: tuple[int, int], split: str, index: int) -> Scene:
     """The scene of sample ``index`` of ``split``: positive for odd indices."""
-    return make_scene(*image_hw, options.level, index % 2 == 1, sample_rng(options.seed, split, index))
+    return make_scene(*image_hw, options.level, index % 2 == 1, sample_rng(options.seed, split, index),
+                      num_distractors=options.distractors)
 
 
 def generate(options: PathfinderOptions, image_hw: tuple[int, int], split: str, indices: np.ndarray) -> dict[str, np.ndarray]:
