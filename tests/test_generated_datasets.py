@@ -211,6 +211,16 @@ def test_the_distractor_count_changes_only_the_distractors(distractors):
         assert joined_in_image(pf.render(scene), scene.markers) == scene.connected
 
 
+@pytest.mark.parametrize("contour_length", [2, 3])
+def test_a_contour_length_sets_both_target_curves_and_keeps_the_labels_true(contour_length):
+    options = small("pathfinder", level="easy", contour_length=contour_length, distractors=0)
+    for index in range(6):
+        scene = pf.scene_of(options, PF_HW, "val", index)
+        assert [(scene.curve_of == curve).sum() for curve in np.unique(scene.curve_of)] == [contour_length] * 2
+        assert scene.connected == (index % 2 == 1)
+        assert joined_in_image(pf.render(scene), scene.markers) == scene.connected
+
+
 def test_harder_levels_draw_longer_paths():
     lengths = [pf.LEVELS[name].contour_length for name in ("easy", "intermediate", "hard")]
     assert lengths == [6, 9, 14]
@@ -318,6 +328,8 @@ def test_load_splits_serves_a_generated_dataset(tmp_path):
          "option 'distractors': expected int or None, got 'few'"),
         ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"distractors": True}},
          "option 'distractors': expected int or None, got True"),
+        ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"contour_length": 1}},
+         "^dataset_kwargs: pathfinder contour_length must be >= 2 paddles \\(or null: the level's\\), got 1"),
         ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"distractors": -1}},
          "^dataset_kwargs: pathfinder distractors must be >= 0 \\(or null: the level's\\), got -1"),
         ({"dataset": "pathfinder", "img_size": 32}, "^img_size: .* at least 64 px .*configs/pathfinder.yaml"),

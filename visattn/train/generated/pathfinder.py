@@ -288,24 +288,18 @@ class _SceneBuilder:
         return np.stack([shifted.real, shifted.imag], axis=-1)
 
 
-def make_scene(height: int, width: int, level: str, connected: bool, rng: np.random.Generator,
-               geometry: Geometry = GEOMETRY, num_distractors: int | None = None) -> Scene:
-    """A scene of ``level`` whose markers are (or are not) joined, drawn from ``rng``, with the level's
-    number of distractor curves unless ``num_distractors`` is given."""
-    if level not in LEVELS:
-        raise ValueError(f"pathfinder level {level!r} is not one of {', '.join(LEVELS)}")
-    chosen = LEVELS[level]
-    if num_distractors is not None:
-        chosen = replace(chosen, num_distractors=num_distractors)
+def make_scene(height: int, width: int, level: Level, connected: bool, rng: np.random.Generator,
+               geometry: Geometry = GEOMETRY) -> Scene:
+    """A scene of ``level`` whose markers are (or are not) joined, drawn from ``rng``."""
     scaled = geometry.scaled(height, width)
-    builder = _SceneBuilder(height, width, scaled, chosen, rng)
+    builder = _SceneBuilder(height, width, scaled, level, rng)
     for _ in range(_TARGET_TRIES):
         if builder.targets():
             break
     else:
         raise ValueError(
-            f"pathfinder: no room for two {chosen.contour_length}-paddle curves on a {height}x{width} canvas; "
-            "use a larger image or an easier level"
+            f"pathfinder: no room for two {level.contour_length}-paddle curves on a {height}x{width} canvas; "
+            "use a larger image, an easier level or a shorter contour_length"
         )
     builder.distractors()
     origin_curve = int(rng.integers(2))
@@ -342,14 +336,26 @@ def render(scene: Scene) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PathfinderOptions(SplitSizes):
-    """``--dataset pathfinder`` options (``--dataset-kwargs level=easy distractors=0``): the level, the number
-    of distractor curves when not the level's, and the split sizes."""
+    """``--dataset pathfinder`` options (``--dataset-kwargs level=easy distractors=0``): the level; the length
+    of the two target curves and the number of distractor curves where they differ from the level's
+    (None: the level's); the split sizes."""
 
     level: str = "hard"
+    contour_length: int | None = None
     distractors: int | None = None
+
+    def chosen_level(self) -> Level:
+        """The level named by ``level`` with ``contour_length`` and ``distractors`` put in where given."""
+        chosen = LEVELS[self.level]
+        if self.contour_length is not None:
+            chosen = replace(chosen, contour_length=self.contour_length)
+        if self.distractors is not None:
+            chosen = replace(chosen, num_distractors=self.distractors)
+        return chosen
 
 
 MIN_SIDE = 64  # below this the strokes are thinner than a pixel
+MIN_CONTOUR_LENGTH = 2  # a one-paddle curve's markers, 5 px apart, would touch
 
 
 def check_options(options: PathfinderOptions, image_hw: tuple[int, int]) -> None:
@@ -360,14 +366,18 @@ def check_options(options: PathfinderOptions, image_hw: tuple[int, int]) -> None
             f"img_size: pathfinder images must be at least {MIN_SIDE} px on each side, got {image_hw[0]}x{image_hw[1]} "
             "(the recipe, configs/pathfinder.yaml, draws them at 128)"
         )
+    if options.contour_length is not None and options.contour_length < MIN_CONTOUR_LENGTH:
+        raise ValueError(
+            f"dataset_kwargs: pathfinder contour_length must be >= {MIN_CONTOUR_LENGTH} paddles (or null: the level's), "
+            f"got {options.contour_length}"
+        )
     if options.distractors is not None and options.distractors < 0:
         raise ValueError(f"dataset_kwargs: pathfinder distractors must be >= 0 (or null: the level's), got {options.distractors}")
 
 
 def scene_of(options: PathfinderOptions, image_hw: tuple[int, int], split: str, index: int) -> Scene:
     """The scene of sample ``index`` of ``split``: positive for odd indices."""
-    return make_scene(*image_hw, options.level, index % 2 == 1, sample_rng(options.seed, split, index),
-                      num_distractors=options.distractors)
+    return make_scene(*image_hw, options.chosen_level(), index % 2 == 1, sample_rng(options.seed, split, index))
 
 
 def generate(options: PathfinderOptions, image_hw: tuple[int, int], split: str, indices: np.ndarray) -> dict[str, np.ndarray]:
