@@ -18,7 +18,10 @@ contrast 0.9), scaled by ``min(H, W) / 128`` for other sizes; the levels are LRA
 (6, 9, 14 paddles), with distractors of ``contour_length // 3`` paddles, ``35 // that`` of them. The
 clearance (7 px between the edges of strokes, 8.5 px between their centre lines) is this module's own:
 it keeps other curves farther from a curve than the curve's own dash gaps, so that a gap can be told
-from a junction.
+from a junction. The options ``contour_length`` and ``distractors`` change a level's target curves and
+its number of distractors, for a curriculum from short, lone curves (``contour_length=2 distractors=0``)
+to the level itself; the target curves are drawn first, so a sample's are the same with any number of
+distractors.
 
 Classes are balanced: odd sample indices are the connected ones. Pure NumPy and Pillow, no torch;
 sample ``index`` of ``split`` is fixed by ``(seed, split, index)`` alone.
