@@ -211,7 +211,7 @@ def test_the_distractor_count_changes_only_the_distractors(distractors):
         assert joined_in_image(pf.render(scene), scene.markers) == scene.connected
 
 
-@pytest.mark.parametrize("contour_length", [2, 3])
+@pytest.mark.parametrize("contour_length", [2, 3, pf.MAX_CONTOUR_LENGTH])
 def test_a_contour_length_sets_both_target_curves_and_keeps_the_labels_true(contour_length):
     options = small("pathfinder", level="easy", contour_length=contour_length, distractors=0)
     for index in range(6):
@@ -219,6 +219,14 @@ def test_a_contour_length_sets_both_target_curves_and_keeps_the_labels_true(cont
         assert [(scene.curve_of == curve).sum() for curve in np.unique(scene.curve_of)] == [contour_length] * 2
         assert scene.connected == (index % 2 == 1)
         assert joined_in_image(pf.render(scene), scene.markers) == scene.connected
+
+
+def test_the_longest_contour_length_finds_room_on_the_smallest_image_among_distractors():
+    options = small("pathfinder", level="hard", contour_length=pf.MAX_CONTOUR_LENGTH)
+    for index in range(8):
+        scene = pf.scene_of(options, (pf.MIN_SIDE, pf.MIN_SIDE), "train", index)
+        assert (scene.curve_of == 0).sum() == (scene.curve_of == 1).sum() == pf.MAX_CONTOUR_LENGTH
+        assert scene.connected == (index % 2 == 1)
 
 
 def test_harder_levels_draw_longer_paths():
@@ -325,13 +333,15 @@ def test_load_splits_serves_a_generated_dataset(tmp_path):
         ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"train_size": 0}}, "train_size: must be >= 1"),
         ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"seed": "one"}}, "option 'seed': expected int, got 'one'"),
         ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"distractors": "few"}},
-         "option 'distractors': expected int or None, got 'few'"),
+         "option 'distractors': expected int or none, got 'few'"),
         ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"distractors": True}},
-         "option 'distractors': expected int or None, got True"),
+         "option 'distractors': expected int or none, got True"),
         ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"contour_length": 1}},
-         "^dataset_kwargs: pathfinder contour_length must be >= 2 paddles \\(or null: the level's\\), got 1"),
+         "^dataset_kwargs: pathfinder option contour_length: must be in \\[2, 16\\] paddles, or null for the level's, got 1"),
+        ({"dataset": "pathfinder", "img_size": 64, "dataset_kwargs": {"contour_length": 17}},
+         "^dataset_kwargs: pathfinder option contour_length: must be in \\[2, 16\\] paddles, or null for the level's, got 17"),
         ({"dataset": "pathfinder", "img_size": 128, "dataset_kwargs": {"distractors": -1}},
-         "^dataset_kwargs: pathfinder distractors must be >= 0 \\(or null: the level's\\), got -1"),
+         "^dataset_kwargs: pathfinder option distractors: must be >= 0, or null for the level's, got -1"),
         ({"dataset": "pathfinder", "img_size": 32}, "^img_size: .* at least 64 px .*configs/pathfinder.yaml"),
         ({"dataset": "cluttered-digits", "img_size": 32}, "^img_size: a 32x32 canvas leaves no room"),
         ({"dataset": "cluttered-digits", "img_size": 128, "dataset_kwargs": {"clutter_size": 40}},
@@ -365,3 +375,4 @@ def test_train_py_runs_on_a_generated_dataset(tmp_path):
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / SUMMARY_FILE).is_file()
+

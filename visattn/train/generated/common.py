@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from visattn.train.fieldtypes import matches, type_name
+
 SPLITS = ("train", "val", "test")
 
 
@@ -58,21 +60,16 @@ def parse_options(task: Task, values: Mapping[str, Any]) -> Any:
 
     The messages start with the config key at fault (``dataset_kwargs``), as the task's ``check`` ones do
     (``dataset_kwargs`` or ``img_size``)."""
-    fields = {f.name: f for f in dataclasses.fields(task.options)}
+    fields = [f.name for f in dataclasses.fields(task.options)]
     hints = typing.get_type_hints(task.options)
+    converted = {}
     for key, value in values.items():
         if key not in fields:
             raise ValueError(f"dataset_kwargs: dataset {task.name!r} has no option {key!r}; its options: {', '.join(fields)}")
-        expected = hints[key]  # a type, or a union such as ``int | None``
-        accepted = typing.get_args(expected) or (expected,)
-        ok = isinstance(value, expected) and not (isinstance(value, bool) and bool not in accepted)
-        if float in accepted and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
+        ok, converted[key] = matches(value, hints[key])
         if not ok:
-            names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in accepted)
-            raise ValueError(f"dataset_kwargs: {task.name} option {key!r}: expected {names}, got {value!r}")
-    floats = {key for key, hint in hints.items() if hint is float}
-    options = task.options(**{key: float(value) if key in floats else value for key, value in values.items()})
+            raise ValueError(f"dataset_kwargs: {task.name} option {key!r}: expected {type_name(hints[key])}, got {value!r}")
+    options = task.options(**converted)
     for split in SPLITS:
         if options.size(split) < 1:
             raise ValueError(f"dataset_kwargs: {task.name} option {split}_size: must be >= 1, got {options.size(split)}")

@@ -236,7 +236,7 @@ class _SceneBuilder:
         if not self.claims.free(points, 0 if marked_ends else None, first_paddle)[0]:
             return False
         end = complex(points[0, -1])
-        markers = [start] + ([end] if length == 1 else []) if marked_ends else []
+        markers = [start] if marked_ends else []
         self._commit(start, end, markers, curve)
         for step in range(1, length):
             marker_at = -1 if marked_ends and step == length - 1 else None
@@ -340,8 +340,8 @@ def render(scene: Scene) -> np.ndarray:
 @dataclass(frozen=True)
 class PathfinderOptions(SplitSizes):
     """``--dataset pathfinder`` options (``--dataset-kwargs level=easy distractors=0``): the level; the length
-    of the two target curves and the number of distractor curves where they differ from the level's
-    (None: the level's); the split sizes."""
+    of the two target curves and the number of distractor curves tried (each is dropped when it finds no
+    room) where they differ from the level's (None: the level's); the split sizes."""
 
     level: str = "hard"
     contour_length: int | None = None
@@ -349,6 +349,8 @@ class PathfinderOptions(SplitSizes):
 
     def chosen_level(self) -> Level:
         """The level named by ``level`` with ``contour_length`` and ``distractors`` put in where given."""
+        if self.level not in LEVELS:
+            raise ValueError(f"dataset_kwargs: pathfinder level {self.level!r} is not one of {', '.join(LEVELS)}")
         chosen = LEVELS[self.level]
         if self.contour_length is not None:
             chosen = replace(chosen, contour_length=self.contour_length)
@@ -359,23 +361,27 @@ class PathfinderOptions(SplitSizes):
 
 MIN_SIDE = 64  # below this the strokes are thinner than a pixel
 MIN_CONTOUR_LENGTH = 2  # a one-paddle curve's markers, 5 px apart, would touch
+# a target curve at most as long as the image's side (16 paddles with their gaps): longer ones often find no room
+MAX_CONTOUR_LENGTH = int(REFERENCE_SIDE // (GEOMETRY.paddle_length + max(GEOMETRY.paddle_gaps)))
 
 
 def check_options(options: PathfinderOptions, image_hw: tuple[int, int]) -> None:
-    if options.level not in LEVELS:
-        raise ValueError(f"dataset_kwargs: pathfinder level {options.level!r} is not one of {', '.join(LEVELS)}")
+    options.chosen_level()
     if min(image_hw) < MIN_SIDE:
         raise ValueError(
             f"img_size: pathfinder images must be at least {MIN_SIDE} px on each side, got {image_hw[0]}x{image_hw[1]} "
             "(the recipe, configs/pathfinder.yaml, draws them at 128)"
         )
-    if options.contour_length is not None and options.contour_length < MIN_CONTOUR_LENGTH:
+    length = options.contour_length
+    if length is not None and not MIN_CONTOUR_LENGTH <= length <= MAX_CONTOUR_LENGTH:
         raise ValueError(
-            f"dataset_kwargs: pathfinder contour_length must be >= {MIN_CONTOUR_LENGTH} paddles (or null: the level's), "
-            f"got {options.contour_length}"
+            f"dataset_kwargs: pathfinder option contour_length: must be in [{MIN_CONTOUR_LENGTH}, {MAX_CONTOUR_LENGTH}] "
+            f"paddles, or null for the level's, got {length}"
         )
     if options.distractors is not None and options.distractors < 0:
-        raise ValueError(f"dataset_kwargs: pathfinder distractors must be >= 0 (or null: the level's), got {options.distractors}")
+        raise ValueError(
+            f"dataset_kwargs: pathfinder option distractors: must be >= 0, or null for the level's, got {options.distractors}"
+        )
 
 
 def scene_of(options: PathfinderOptions, image_hw: tuple[int, int], split: str, index: int) -> Scene:
