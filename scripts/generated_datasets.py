@@ -3,13 +3,17 @@
     python scripts/generated_datasets.py time --dataset pathfinder                    # the recipe's train split
     python scripts/generated_datasets.py time --dataset cluttered-digits --workers 2 --cache /tmp/generated
     python scripts/generated_datasets.py reach --patch-size 4 --depth 4 --kernel-size 7
+    python scripts/generated_datasets.py shortcut --img-size 64
 
 ``time`` draws the split from scratch (the cache is neither read nor written) in ``--workers``
 processes and prints the wall-clock time and the CPU time of all processes together; with ``--cache
 DIR`` it then writes the split's cache file under DIR and times reading it back. ``reach``
 draws ``--samples`` scenes per pathfinder level and compares the target paths with the receptive
 field of a stack of ``--depth`` neighbourhood-attention blocks of window ``--kernel-size``: a token
-sees ``depth * (kernel_size // 2)`` patches along each axis.
+sees ``depth * (kernel_size // 2)`` patches along each axis. ``shortcut`` measures how much of each
+pathfinder rung (the README's ladder: lone two-paddle curves, then the three levels) a model could get
+without following a curve: the accuracy of the best threshold on the distance between the two markers,
+chosen on the first ``--samples`` training scenes and measured on as many test scenes.
 """
 from __future__ import annotations
 
@@ -80,6 +84,51 @@ def reach(args: argparse.Namespace) -> None:
         )
 
 
+LADDER = (
+    ("two-paddle curves, no distractors", {"level": "easy", "contour_length": 2, "distractors": 0}),
+    ("easy", {"level": "easy"}),
+    ("intermediate", {"level": "intermediate"}),
+    ("hard", {"level": "hard"}),
+)
+
+
+def marker_distances(options: pathfinder.PathfinderOptions, image_hw: tuple[int, int], split: str,
+                     count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(count,) distances in px between the two markers of the first ``count`` scenes of ``split``, and their labels."""
+    scenes = [pathfinder.scene_of(options, image_hw, split, index) for index in range(count)]
+    distances = np.array([np.linalg.norm(scene.markers[0] - scene.markers[1]) for scene in scenes])
+    return distances, np.array([scene.connected for scene in scenes])
+
+
+def best_distance_rule(distances: np.ndarray, labels: np.ndarray) -> tuple[float, bool]:
+    """The threshold on ``distances`` (n,) that best tells ``labels`` (n,) apart, and whether the joined
+    pairs (label 1) lie at or below it: (threshold, joined_below)."""
+    cuts = np.unique(distances)
+    below = distances[None, :] <= cuts[:, None]  # (cuts, n)
+    accuracy_below = (below == labels[None, :].astype(bool)).mean(axis=1)
+    best = int(np.argmax(np.maximum(accuracy_below, 1 - accuracy_below)))
+    return float(cuts[best]), bool(accuracy_below[best] >= 0.5)
+
+
+def distance_rule_accuracy(options: pathfinder.PathfinderOptions, image_hw: tuple[int, int], count: int) -> float:
+    """Test accuracy of the distance rule chosen on the training split: what the markers' distance alone tells."""
+    threshold, joined_below = best_distance_rule(*marker_distances(options, image_hw, "train", count))
+    distances, labels = marker_distances(options, image_hw, "test", count)
+    predicted_joined = (distances <= threshold) == joined_below
+    return float((predicted_joined == labels.astype(bool)).mean())
+
+
+def shortcut(args: argparse.Namespace) -> None:
+    image_hw = (args.img_size, args.img_size)
+    print(f"{args.img_size} px, the rule chosen on {args.samples} training scenes and tested on {args.samples} test scenes")
+    print("| rung | dataset options | marker distance alone, test accuracy |")
+    print("|---|---|---:|")
+    for name, values in LADDER:
+        options = pathfinder.PathfinderOptions(seed=args.seed, **values)
+        spelled = " ".join(f"{key}={value}" for key, value in values.items())
+        print(f"| {name} | `{spelled}` | {distance_rule_accuracy(options, image_hw, args.samples):.1%} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -98,10 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     extent.add_argument("--kernel-size", type=int, default=7)
     extent.add_argument("--samples", type=int, default=400)
     extent.add_argument("--seed", type=int, default=0)
+    rule = commands.add_parser("shortcut", help="how much of each pathfinder rung the markers' distance alone tells")
+    rule.add_argument("--img-size", type=int, default=128)
+    rule.add_argument("--samples", type=int, default=1000, help="scenes of the train split, and as many of the test split")
+    rule.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.option = [(key, int(value) if value.lstrip("-").isdigit() else value) for key, value in getattr(args, "option", [])]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    (time_split if args.command == "time" else reach)(args)
+    {"time": time_split, "reach": reach, "shortcut": shortcut}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
+from tests.helpers import load_script
 from visattn.train.cli import parse_args
 from visattn.train.config import ConfigError, make_config
 from visattn.train.data import load_splits
@@ -376,3 +377,21 @@ def test_train_py_runs_on_a_generated_dataset(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / SUMMARY_FILE).is_file()
 
+
+# -- the markers' distance as a shortcut (scripts/generated_datasets.py shortcut) ---------------------
+def test_the_distance_rule_is_the_best_threshold_on_either_side():
+    script = load_script("generated_datasets")
+    distances = np.array([1.0, 2.0, 3.0, 10.0, 11.0, 12.0])
+    assert script.best_distance_rule(distances, np.array([1, 1, 1, 0, 0, 0])) == (3.0, True)
+    assert script.best_distance_rule(distances, np.array([0, 0, 0, 1, 1, 1])) == (3.0, False)
+    # one joined pair far out: the cut still falls between the groups, at 5 right out of 6
+    threshold, joined_below = script.best_distance_rule(distances, np.array([1, 1, 1, 0, 0, 1]))
+    assert (threshold, joined_below) == (3.0, True)
+
+
+def test_the_markers_distance_gives_away_lone_short_curves_but_not_the_hard_level():
+    script = load_script("generated_datasets")
+    hw = (pf.MIN_SIDE, pf.MIN_SIDE)
+    lone, _, _, hard = (pf.PathfinderOptions(**values) for _, values in script.LADDER)
+    assert script.distance_rule_accuracy(lone, hw, 60) == 1.0  # joined markers ~6 px apart, apart ones 8 px or more
+    assert script.distance_rule_accuracy(hard, hw, 60) < 0.6
