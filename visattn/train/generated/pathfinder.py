@@ -340,8 +340,8 @@ def render(scene: Scene) -> np.ndarray:
 @dataclass(frozen=True)
 class PathfinderOptions(SplitSizes):
     """``--dataset pathfinder`` options (``--dataset-kwargs level=easy distractors=0``): the level; the length
-    of the two target curves and the number of distractor curves tried (each is dropped when it finds no
-    room) where they differ from the level's (None: the level's); the split sizes."""
+    of the two target curves and the largest number of distractor curves (one that finds no room is
+    dropped) where they differ from the level's (None: the level's); the split sizes."""
 
     level: str = "hard"
     contour_length: int | None = None
