@@ -366,7 +366,7 @@ MAX_CONTOUR_LENGTH = int(REFERENCE_SIDE // (GEOMETRY.paddle_length + max(GEOMETR
 
 
 def check_options(options: PathfinderOptions, image_hw: tuple[int, int]) -> None:
-    options.chosen_level()
+    options.chosen_level()  # raises for a level that does not exist
     if min(image_hw) < MIN_SIDE:
         raise ValueError(
             f"img_size: pathfinder images must be at least {MIN_SIDE} px on each side, got {image_hw[0]}x{image_hw[1]} "
