@@ -1,9 +1,11 @@
 """Where one transformer block's time goes, per attention type: the block's median time beside floor's
-and the operators that take the most of it (torch.profiler, self CPU time per step).
+and the operators that take the most of it (torch.profiler, self CPU time per step), each beside floor's
+time in the same operator; ``--whole-model`` profiles the whole model (patch embedding, every block, head).
 
     python scripts/profile_block.py --attn linear axial --size 2048
     python scripts/profile_block.py --attn neighborhood --size 1024 --mode train --top 8
     python scripts/profile_block.py --attn linear --size 512 --batch-size 16
+    python scripts/profile_block.py --attn linear --size 1024 --whole-model
 
 Complements ``visattn-bench``: the benchmark says how fast each type is, this says why.
 """
@@ -31,6 +33,22 @@ def build_block(
     block.attn.set_grid(grid, prefix)
     x = torch.randn(batch_size, prefix + grid[0] * grid[1], vit.embed_dim, requires_grad=training)
     return block, x
+
+
+def build_model(
+    attn: str, size: int, model: str, training: bool, batch_size: int
+) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The whole ``model`` at ``size`` px and a batch of images for it: (B, 3, size, size)."""
+    vit = timm.create_model(model, attn=attn, img_size=size).train(training)
+    x = torch.randn(batch_size, 3, size, size)
+    return vit, x
+
+
+def operator_times(step) -> dict[str, tuple[float, int]]:
+    """Self CPU time (ms) and call count of every operator in one profiled step."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return {event.key: (event.self_cpu_time_total / 1000, event.count) for event in prof.key_averages()}
 
 
 def step_fn(block: torch.nn.Module, x: torch.Tensor, training: bool):
@@ -61,26 +79,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="visattn_vit_small_patch16")
     parser.add_argument("--batch-size", type=int, default=1, help="images per step")
     parser.add_argument("--mode", choices=["infer", "train"], default="infer", help="train: forward + backward")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per type, and for floor's block just before it")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per type, and for floor's just before them")
     parser.add_argument("--top", type=int, default=6, help="operators listed per type")
+    parser.add_argument("--whole-model", action="store_true", help="profile the whole model, not block 0")
     args = parser.parse_args(argv)
     training = args.mode == "train"
     if args.batch_size < 1:
         parser.error(f"--batch-size: expected a positive int, got {args.batch_size}")
 
-    floor = step_fn(*build_block("floor", args.size, args.model, training, args.batch_size), training)
+    build, unit = (build_model, "model") if args.whole_model else (build_block, "block")
+    floor = step_fn(*build("floor", args.size, args.model, training, args.batch_size), training)
     print(
-        f"{args.model} block 0 at {args.size} px, batch {args.batch_size}, {args.mode}, {torch.get_num_threads()} threads"
+        f"{args.model} {'the whole model' if args.whole_model else 'block 0'} at {args.size} px, "
+        f"batch {args.batch_size}, {args.mode}, {torch.get_num_threads()} threads"
     )
     for attn in args.attn:
-        step = step_fn(*build_block(attn, args.size, args.model, training, args.batch_size), training)
+        step = step_fn(*build(attn, args.size, args.model, training, args.batch_size), training)
         floor_ms, own_ms = median_ms(floor, args.repeats), median_ms(step, args.repeats)
-        print(f"\n## {attn}: {own_ms:.1f} ms per block, floor {floor_ms:.1f} ms: {100 * floor_ms / own_ms:.0f}% of floor")
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step()
-        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-        for event in events[: args.top]:
-            print(f"  {event.key:<48} {event.self_cpu_time_total / 1000:8.1f} ms  x{event.count}")
+        print(f"\n## {attn}: {own_ms:.1f} ms per {unit}, floor {floor_ms:.1f} ms: {100 * floor_ms / own_ms:.0f}% of floor")
+        floor_ops, own_ops = operator_times(floor), operator_times(step)
+        print(f"  {'operator':<48} {'self time':>11} {'calls':>6} {'floor':>11} {'calls':>6}")
+        for key, (ms, count) in sorted(own_ops.items(), key=lambda item: item[1][0], reverse=True)[: args.top]:
+            floor_op_ms, floor_count = floor_ops.get(key, (0.0, 0))
+            print(f"  {key:<48} {ms:8.1f} ms {count:6d} {floor_op_ms:8.1f} ms {floor_count:6d}")
     return 0
 
 

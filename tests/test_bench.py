@@ -561,13 +561,22 @@ def test_patch_size_of_names():
         auto.patch_size_of("resnet50")
 
 
-def test_profile_block_script_reports_each_type(capsys):
-    """scripts/profile_block.py: one line of block time against floor, then the top operators, per type."""
+@pytest.mark.parametrize("whole_model", [False, True])
+def test_profile_block_script_reports_each_type(capsys, whole_model):
+    """scripts/profile_block.py: one line of time against floor, then the top operators beside floor's, per type."""
     module = load_script("profile_block")
-    assert module.main(["--attn", "linear", "axial", "--size", "64", "--repeats", "1", "--top", "2"]) == 0
+    argv = ["--attn", "linear", "axial", "--size", "64", "--repeats", "1", "--top", "2"]
+    assert module.main(argv + ["--whole-model"] * whole_model) == 0
     out = capsys.readouterr().out
+    unit = "model" if whole_model else "block"
+    assert out.startswith(f"visattn_vit_small_patch16 {'the whole model' if whole_model else 'block 0'} at 64 px")
     for attn in ("linear", "axial"):
-        assert re.search(rf"## {attn}: [\d.]+ ms per block, floor [\d.]+ ms: \d+% of floor\n(  .+ ms  x\d+\n){{2}}", out)
+        lines = r"(  \S+ +[\d.]+ ms +\d+ +[\d.]+ ms +\d+\n){2}"
+        assert re.search(rf"## {attn}: [\d.]+ ms per {unit}, floor [\d.]+ ms: \d+% of floor\n  operator .+\n{lines}", out)
+    # floor's linear layers: 4 per block (qkv, proj, two in the MLP); the model has 12 blocks and the head
+    build = module.build_model if whole_model else module.build_block
+    floor_ops = module.operator_times(module.step_fn(*build("floor", 64, "visattn_vit_small_patch16", False, 1), False))
+    assert floor_ops["aten::linear"][1] == (4 * 12 + 1 if whole_model else 4)
 
 
 def test_crossover_not_reached_names_the_largest_size_of_its_mode():
