@@ -7,7 +7,12 @@
     python scripts/accuracy_table.py --attn timm linear linear:dwconv_kernel=null   # a row with options
     python scripts/accuracy_table.py --epochs 1 -- --max-train-samples 256          # after --: to every train.py
     python scripts/accuracy_table.py --config configs/cluttered-digits-curriculum.yaml \\
-        --stage1-img-size 64 --stage1-epochs 4                                     # a curriculum: 64 px, then 128
+        --stage "--img-size 64 --epochs 4"                                        # a curriculum: 64 px, then 128
+    python scripts/accuracy_table.py --config configs/pathfinder.yaml --epochs 10 \\
+        --stage "--epochs 20 --dataset-kwargs level=easy contour_length=2 distractors=0 train_size=10000" \\
+        --stage "--epochs 10 --dataset-kwargs level=easy train_size=10000" \\
+        --stage "--epochs 10 --dataset-kwargs level=intermediate train_size=10000" \\
+        -- --img-size 64 --patch-size 8 --dataset-kwargs level=hard train_size=10000    # a ladder of easier tasks
 
 Rows (``--attn``): attention types of ``visattn.list_attentions()`` and ``timm``, timm's own Attention in a
 stock timm ViT of the same shape (``train.py --attn timm``), the reference of the speed-up column; by
@@ -16,16 +21,20 @@ laid over the recipe's ``attn_kwargs``; a word without ``:`` may name several ro
 
 Each (row, seed) is trained by its own ``train.py`` process into ``<run-root>/<row>/seed<k>`` (its output in
 ``seed<k>.log`` beside it), one after the other: every row with the first seed, then every row with the next.
-A curriculum (``--stage1-img-size PX --stage1-epochs N``) trains each run in two ``train.py`` processes: first
-N epochs at PX pixels into ``seed<k>-stage1`` (a generated dataset is drawn afresh at that size), then the
-recipe's epochs at the recipe's size into ``seed<k>``, starting from the first stage's best weights, chosen on
-validation (``--initial-checkpoint``, which resamples the position embedding to the new grid; a
-``--initial-checkpoint`` after ``--`` starts the first stage). A run whose ``summary.json`` is there and whose
-saved ``config.yaml`` is the config this command would train is reused, not retrained; one with that config
-and a checkpoint but no summary (an invocation that was stopped) is resumed; any other is trained afresh
-(``--retrain``: every run). A second stage started before its first stage last finished is trained afresh,
-whatever its config. A table that needs hours is so built over several invocations. One line per run says
-when it starts and ends, with its time and the estimated time of the runs left.
+A curriculum (``--stage FLAGS``, once per earlier stage) trains each run in several ``train.py`` processes:
+stage i with the recipe, the words after ``--`` and then the i-th ``--stage``'s train.py flags (one word, quoted:
+``"--img-size 64 --epochs 4"``; a flag there replaces the same flag's value, ``--dataset-kwargs`` all of its
+options; a generated dataset is drawn afresh at each stage's size and options) into
+``seed<k>-stage<i>``, each stage from the previous one's best weights, chosen on validation, and last the
+recipe itself into ``seed<k>`` from the last stage's (``--initial-checkpoint``, which resamples the position
+embedding to the new grid; a ``--initial-checkpoint`` after ``--`` starts the first stage).
+
+A run whose ``summary.json`` is there and whose saved ``config.yaml`` is the config this command would train
+is reused, not retrained; one with that config and a checkpoint but no summary (an invocation that was
+stopped) is resumed; any other is trained afresh (``--retrain``: every run). A stage started before the stage
+it starts from last finished is trained afresh, whatever its config. A table that needs hours is so built over
+several invocations. One line per run says when it starts and ends, with its time and the estimated time of
+the runs left.
 
 Written after every run (``--output NAME.md``): the markdown table; ``NAME.png``, test accuracy per row with
 its range over the seeds, and the validation accuracy of every epoch per row; ``NAME.json`` and ``NAME.csv``,
@@ -33,7 +42,7 @@ every run with its summary (the JSON also with its per-epoch records). Columns: 
 chosen on validation (median [min-max] over the seeds that finished, and their count); training images/s
 and seconds per epoch (training plus validation) from each run's own records, and the peak memory (GPU
 memory allocated by tensors on CUDA; the whole process's peak resident memory on CPU, Python runtime and
-dataset included), each the median over seeds and, with a curriculum, of the second stage alone; the speed-up
+dataset included), each the median over seeds and, with a curriculum, of the last stage alone; the speed-up
 over the ``timm`` row (ratio of images/s); and whether the row ran at the recipe's token count (no: out of
 memory, or failed, with its log).
 """
@@ -43,6 +52,7 @@ import argparse
 import csv
 import json
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -65,6 +75,8 @@ REPO = Path(__file__).resolve().parents[1]
 BOOKKEEPING_KEYS = ("run_dir", "num_workers", "save_every", "keep_checkpoints", "log_with")
 # train.py flags the table sets for each run; they cannot also come after --.
 TABLE_FLAGS = ("--attn", "--attn-kwargs", "--seed", "--run-dir", "--resume", "--resume-from", "--overwrite")
+# ... and, in a --stage, the weights it starts from: the previous stage's (the first stage's can come after --).
+STAGE_FLAGS = (*TABLE_FLAGS, "--initial-checkpoint")
 # What a run that ran out of memory leaves in its log (CPU allocator, CUDA, Python).
 OUT_OF_MEMORY = re.compile(r"out of memory|can't allocate memory|MemoryError", re.IGNORECASE)
 SIGKILL_EXIT = -9  # what subprocess reports for a process the kernel's OOM killer ends
@@ -121,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     )
     parser.add_argument("--config", default=str(REPO / "configs" / "digits.yaml"), help="the recipe every row trains with")
     parser.add_argument("--epochs", type=int,
-                        help="override the recipe's epochs (fewer for a quick table); with a curriculum, the second stage's")
+                        help="override the recipe's epochs (fewer for a quick table); with a curriculum, the last stage's")
     parser.add_argument(
         "--attn", nargs="+", metavar="ROW",
         help=f"rows: TYPE or TYPE:KEY=VALUE[,KEY=VALUE...], TYPE one of {TIMM_ATTENTION}, "
@@ -131,9 +143,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--run-root", default="runs/accuracy_table", help="<run-root>/<row>/seed<k> holds each run")
     parser.add_argument("--output", default="accuracy_table.md", help="the markdown table; .png, .json, .csv beside it")
     parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
-    parser.add_argument("--stage1-img-size", type=int, metavar="PX",
-                        help="a curriculum: train each run first at PX pixels, then at the recipe's size")
-    parser.add_argument("--stage1-epochs", type=int, metavar="N", help="the first stage's epochs (with --stage1-img-size)")
+    parser.add_argument(
+        "--stage", action="append", default=[], metavar="FLAGS", dest="stages",
+        help="a curriculum: an earlier stage, train.py flags in one quoted word laid over the recipe and the words "
+             "after -- (\"--img-size 64 --epochs 4\"); once per stage, in order, each from the previous one's weights",
+    )
+    # A stage is one word that starts with "--": joined to its flag, argparse takes it as the flag's value
+    # even without a space in it ("--stage --epochs=4").
+    words, own = own, []
+    while words:
+        word = words.pop(0)
+        own.append(f"--stage={words.pop(0)}" if word == "--stage" and words else word)
     args = parser.parse_args(own)
     try:
         args.rows = parse_rows(args.attn or [TIMM_ATTENTION, *visattn.list_attentions()])
@@ -141,15 +161,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         parser.error(f"--attn: {error}")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds: each seed once, got {' '.join(map(str, args.seeds))}")
-    for flag, value in (("--epochs", args.epochs), ("--stage1-img-size", args.stage1_img_size),
-                        ("--stage1-epochs", args.stage1_epochs)):
-        if value is not None and value < 1:
-            parser.error(f"{flag}: must be >= 1, got {value}")
-    if (args.stage1_img_size is None) != (args.stage1_epochs is None):
-        parser.error("--stage1-img-size and --stage1-epochs: give both (a first stage) or neither")
+    if args.epochs is not None and args.epochs < 1:
+        parser.error(f"--epochs: must be >= 1, got {args.epochs}")
     taken = sorted({arg.partition("=")[0] for arg in train_args} & set(TABLE_FLAGS))
     if taken:
         parser.error(f"after --: {', '.join(taken)} set by the table for each run; use --attn ROW and --seeds")
+    args.stage_flags = []
+    for text in args.stages:
+        try:
+            words = shlex.split(text)
+        except ValueError as error:
+            parser.error(f"--stage {text!r}: {error}")
+        taken = sorted({word.partition("=")[0] for word in words} & set(STAGE_FLAGS))
+        if not words or taken:
+            parser.error(f"--stage {text!r}: train.py flags in one word, as \"--img-size 64 --epochs 4\""
+                         + (f"; {', '.join(taken)} set by the table" if taken else ""))
+        args.stage_flags.append(words)
     if not args.output.endswith(".md"):
         parser.error(f"--output: a markdown file name ending in .md, got {args.output!r}")
     return args, train_args
@@ -170,19 +197,33 @@ class Run:
     seconds: float | None = None  # the train.py process's time in this invocation
     summary: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
-    stage: int | None = None  # with a curriculum: 1 (the first stage) or 2; None without one
-    stage1: Run | None = None  # of a second stage: the first stage it starts from
+    stage: int | None = None  # with a curriculum: 1, 2, ... up to the recipe's own; None without one
+    previous: Run | None = None  # with a curriculum: the stage this one starts from
+    last: bool = True  # the recipe's own run (the table's), not an earlier stage
 
     @property
     def log(self) -> Path:
         return self.run_dir.with_name(f"{self.run_dir.name}.log")
 
     @property
+    def earlier(self) -> list[Run]:
+        """The stages before this one, first to last."""
+        stages: list[Run] = []
+        run = self.previous
+        while run is not None:
+            stages.insert(0, run)
+            run = run.previous
+        return stages
+
+    @property
+    def cause(self) -> Run:
+        """The run whose failure this one's is: the first earlier stage that did not finish, else itself."""
+        return next((run for run in self.earlier if run.status not in ("finished", "not run")), self)
+
+    @property
     def failed_log(self) -> Path:
-        """The log that says why this run did not finish: its first stage's, where that one did not."""
-        if self.stage1 is not None and self.stage1.status != "finished":
-            return self.stage1.log
-        return self.log
+        """The log that says why this run did not finish."""
+        return self.cause.log
 
 
 def train_argv(
@@ -222,16 +263,16 @@ def choose_action(run: Run, retrain: bool) -> tuple[str, str]:
         saved = make_config(read_yaml(config_file))
     except ConfigError as error:
         return "train", f"its saved config is unreadable here ({error})"
-    # A second stage's initial_checkpoint names its first stage's folder, however --run-root was spelled:
-    # compared as that folder, and by whether it started after that first stage last finished.
-    ignored = ("initial_checkpoint",) if run.stage1 is not None else ()
+    # A later stage's initial_checkpoint names its previous stage's folder, however --run-root was spelled:
+    # compared as that folder, and by whether it started after that stage last finished.
+    ignored = ("initial_checkpoint",) if run.previous is not None else ()
     differences = config_differences(saved, expected_config(run.argv), ignored)
-    if run.stage1 is not None and not starts_from(saved, run.stage1):
-        differences.append(f"initial_checkpoint: {saved.initial_checkpoint!r} -> {str(run.stage1.run_dir)!r}")
+    if run.previous is not None and not starts_from(saved, run.previous):
+        differences.append(f"initial_checkpoint: {saved.initial_checkpoint!r} -> {str(run.previous.run_dir)!r}")
     if differences:
         return "train", f"its config differs: {'; '.join(differences)}"
-    if run.stage1 is not None and started_before(run, run.stage1):
-        return "train", "its first stage finished again after it started"
+    if run.previous is not None and started_before(run, run.previous):
+        return "train", "the stage it starts from finished again after it started"
     if (run.run_dir / SUMMARY_FILE).is_file():
         return "reuse", "finished with this config"
     if list_checkpoints(run.run_dir):
@@ -296,7 +337,7 @@ def eta_seconds(runs: list[Run]) -> float | None:
     pending = [
         run for run in runs
         if run.action != "reuse" and run.seconds is None and run.status == "not run"
-        and (run.stage1 is None or run.stage1.status in ("finished", "not run"))  # else it will not start
+        and run.cause is run  # else it will not start
     ]
     return sum(
         statistics.fmean(per_row.get((run.row.text, run.stage)) or per_stage.get(run.stage) or overall)
@@ -405,8 +446,8 @@ def markdown(results: list[RowResult], runs: list[Run], recipe: TrainConfig, com
             status = f"failed (see `{failed.failed_log}`)"
         elif status == "no: out of memory":
             failed = next(run for run in runs if run.row == result.row and run.status == "out of memory")
-            if failed.failed_log != failed.log:
-                status = f"no: out of memory in its first stage (see `{failed.failed_log}`)"
+            if failed.cause is not failed:
+                status = f"no: out of memory in stage {failed.cause.stage} (see `{failed.failed_log}`)"
         lines.append(
             f"| {result.row.label} | {accuracy_cell(result)} | {_rate(result.images_per_s)} | "
             f"{_number(result.epoch_s, 1)} | {_number(result.peak_mem_mib)} | {speedup} | {status} |"
@@ -428,16 +469,21 @@ def markdown(results: list[RowResult], runs: list[Run], recipe: TrainConfig, com
 
 
 def curriculum(runs: list[Run]) -> str:
-    """The note's words for a first stage: its epochs and grid ("" without one)."""
-    first = next((run.stage1 for run in runs if run.stage1 is not None), None)
-    if first is None:
+    """The note's words for the earlier stages: their epochs and grids ("" without any)."""
+    earlier = runs[0].earlier if runs else []
+    if not earlier:
         return ""
-    stage1 = expected_config(first.argv)
-    rows_, cols_ = (side // stage1.patch_size for side in stage1.image_hw)
+    words = []
+    for stage in earlier:
+        config = expected_config(stage.argv)
+        rows_, cols_ = (side // config.patch_size for side in config.image_hw)
+        words.append(f"{config.epochs} epoch{'s' if config.epochs != 1 else ''} at "
+                     f"{config.image_hw[0]}×{config.image_hw[1]} px ({rows_}×{cols_} grid)")
+    if len(words) == 1:
+        return f", after a first stage of {words[0]} whose weights it starts from (speed and memory: this last stage alone)"
     return (
-        f", after a first stage of {stage1.epochs} epoch{'s' if stage1.epochs != 1 else ''} at "
-        f"{stage1.image_hw[0]}×{stage1.image_hw[1]} px ({rows_}×{cols_} grid) whose weights it starts from "
-        "(speed and memory: this second stage alone)"
+        f", after {len(words)} earlier stages ({'; '.join(words)}), each from the weights of the one before, the last "
+        "stage's weights starting this one (speed and memory: this last stage alone)"
     )
 
 
@@ -478,8 +524,8 @@ def plot(results: list[RowResult], runs: list[Run], path: Path) -> None:
             ax_curve.set(ylabel=f"{split} accuracy (%)")
     ax_acc.set_yticks(range(len(results)), [result.row.label for result in reversed(results)])
     ax_acc.set(title="test accuracy (%)\nmedian, range over seeds, each seed", xlabel="test accuracy (%)")
-    second = " (second stage)" if any(run.stage1 is not None for run in runs) else ""
-    ax_curve.set(title=f"accuracy per epoch{second}\nmedian over seeds, range shaded", xlabel="epoch")
+    last = " (last stage)" if any(run.previous is not None for run in runs) else ""
+    ax_curve.set(title=f"accuracy per epoch{last}\nmedian over seeds, range shaded", xlabel="epoch")
     ax_curve.xaxis.set_major_locator(MaxNLocator(integer=True))
     if ax_curve.lines:  # beside the curves, never over them
         ax_curve.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
@@ -531,29 +577,30 @@ def plan(args: argparse.Namespace, train_args: list[str]) -> list[Run]:
     for seed in args.seeds:  # every row's first seed, then every row's second: a partial table has every row
         for row in args.rows:
             run_dir = Path(args.run_root) / row.folder / f"seed{seed}"
+            previous = None
+            for number, stage_flags in enumerate(args.stage_flags, start=1):
+                stage_dir = run_dir.with_name(f"{run_dir.name}-stage{number}")
+                start = [] if previous is None else ["--initial-checkpoint", str(previous.run_dir)]
+                stage_argv = train_argv(args, train_args, row, seed, stage_dir, [*stage_flags, *start])
+                previous = Run(row, seed, stage_dir, stage_argv, stage=number, previous=previous, last=False)
+                expected_config(previous.argv)  # a ConfigError now rather than after hours of other rows
             flags = ["--epochs", str(args.epochs)] if args.epochs is not None else []
-            stage1 = None
-            if args.stage1_img_size is not None:
-                stage1_dir = run_dir.with_name(f"{run_dir.name}-stage1")
-                stage1_flags = ["--epochs", str(args.stage1_epochs), "--img-size", str(args.stage1_img_size)]
-                stage1 = Run(row, seed, stage1_dir, train_argv(args, train_args, row, seed, stage1_dir, stage1_flags),
-                             stage=1)
-                expected_config(stage1.argv)  # a ConfigError now rather than after hours of other rows
-                flags += ["--initial-checkpoint", str(stage1_dir)]
+            if previous is not None:
+                flags += ["--initial-checkpoint", str(previous.run_dir)]
             run = Run(row, seed, run_dir, train_argv(args, train_args, row, seed, run_dir, flags),
-                      stage=None if stage1 is None else 2, stage1=stage1)
+                      stage=None if previous is None else previous.stage + 1, previous=previous)
             expected_config(run.argv)
             runs.append(run)
     return runs
 
 
 def all_runs(runs: list[Run]) -> list[Run]:
-    """Every train.py run, in the order they train: each run's first stage just before it."""
-    return [each for run in runs for each in (run.stage1, run) if each is not None]
+    """Every train.py run, in the order they train: each run's earlier stages just before it."""
+    return [each for run in runs for each in (*run.earlier, run)]
 
 
 def run_name(run: Run) -> str:
-    return f"{run.row.text} seed {run.seed}{' (first stage)' if run.stage == 1 else ''}"
+    return f"{run.row.text} seed {run.seed}{'' if run.last else f' (stage {run.stage})'}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -564,12 +611,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     recipe = expected_config(runs[0].argv)
-    command = " ".join(["python scripts/accuracy_table.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "scripts/accuracy_table.py", *(sys.argv[1:] if argv is None else argv)])
     every_run = all_runs(runs)
     for run in every_run:
         run.action, why = choose_action(run, args.retrain)
-        if run.stage1 is not None and run.stage1.action != "reuse" and run.action != "train":
-            run.action, why = "train", "its first stage is trained in this invocation"
+        if run.previous is not None and run.previous.action != "reuse" and run.action != "train":
+            run.action, why = "train", "the stage it starts from is trained in this invocation"
         if run.action == "reuse":
             read_run(run)
         elif run.action == "train" and why != "new":
@@ -579,9 +626,10 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(run.action == 'resume' for run in todo)} resumed)", flush=True)
     output = Path(args.output)
     for number, run in enumerate(todo, start=1):
-        if run.stage1 is not None and run.stage1.status != "finished":
-            run.status = run.stage1.status
-            print(f"[{number}/{len(todo)}] {run_name(run)}: not started, its first stage {run.stage1.status}", flush=True)
+        if run.cause is not run:
+            run.status = run.cause.status
+            print(f"[{number}/{len(todo)}] {run_name(run)}: not started, its stage {run.cause.stage} {run.cause.status}",
+                  flush=True)
             write_outputs(output, summarize_rows(args.rows, runs), runs, recipe, command)
             continue
         eta = eta_seconds(every_run)

@@ -280,25 +280,84 @@ def test_attn_timm_is_for_every_block(tmp_path, capsys):
     assert "attn: 'timm' (timm's own Attention) is for every block; give it alone" in capsys.readouterr().err
 
 
-# -- a curriculum: a first stage at a smaller size, then the recipe's from its weights ----------------------
-def test_the_first_stage_flags_come_together_and_positive(capsys):
-    for extra, message in ((["--stage1-img-size", "8"], "give both (a first stage) or neither"),
-                           (["--stage1-epochs", "2"], "give both (a first stage) or neither"),
-                           (["--stage1-img-size", "0", "--stage1-epochs", "1"], "--stage1-img-size: must be >= 1, got 0")):
-        with pytest.raises(SystemExit):
-            table.parse_args(["--attn", "floor", *extra])
-        assert message in capsys.readouterr().err
+# -- a curriculum: earlier stages (a smaller size, easier data), then the recipe's from their weights ---------
+@pytest.mark.parametrize(
+    "stage, message",
+    [
+        ("", "--stage '': train.py flags in one word, as \"--img-size 64 --epochs 4\""),
+        ("--epochs 2 --initial-checkpoint runs/x", "--initial-checkpoint set by the table"),
+        ("--seed=3", "--seed set by the table"),
+        ("--dataset-kwargs 'level=easy", "--stage \"--dataset-kwargs 'level=easy\": No closing quotation"),
+    ],
+)
+def test_a_bad_stage_is_refused_by_name(capsys, stage, message):
+    with pytest.raises(SystemExit):
+        table.parse_args(["--attn", "floor", "--stage", stage])
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_flag_in_a_stage_stops_before_any_run(tmp_path, capsys):
+    argv = ["--attn", "floor", "--run-root", str(tmp_path / "runs"), "--output", str(tmp_path / "table.md"),
+            "--stage", "--epochs 1", "--stage", "--epochs two", "--", *TINY]
+    assert table.main(argv) == 2
+    assert "--epochs: expected int, got 'two'" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_each_stage_starts_from_the_one_before_with_its_own_flags(tmp_path):
+    _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2", "--stage", "--epochs 3 --lr 0.01")
+    last = runs[0]
+    first, second = last.earlier
+    configs = [table.expected_config(run.argv) for run in (first, second, last)]
+    assert [run.run_dir.name for run in (first, second, last)] == ["seed0-stage1", "seed0-stage2", "seed0"]
+    assert [(run.stage, run.last) for run in (first, second, last)] == [(1, False), (2, False), (3, True)]
+    assert [(config.img_size, config.epochs) for config in configs] == [(8, 2), (16, 3), (16, 1)]
+    assert [config.lr for config in configs] == [configs[0].lr, 0.01, configs[0].lr] and configs[0].lr != 0.01
+    assert [config.initial_checkpoint for config in configs] == [None, str(first.run_dir), str(second.run_dir)]
+    assert (second.previous, last.previous) == (first, second)
+    assert table.all_runs(runs)[:3] == [first, second, last]
+    assert table.run_name(second) == "timm seed 0 (stage 2)" and table.run_name(last) == "timm seed 0"
+    assert table.curriculum(runs) == (
+        ", after 2 earlier stages (2 epochs at 8×8 px (2×2 grid); 3 epochs at 16×16 px (4×4 grid)), each from the "
+        "weights of the one before, the last stage's weights starting this one (speed and memory: this last stage alone)"
+    )
+
+
+def test_a_failed_stage_stops_the_stages_after_it_and_names_its_log(tmp_path, monkeypatch, capsys):
+    _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2", "--stage", "--epochs 1")
+    commands = []
+
+    def fake_train(command, **kwargs):
+        run_dir = Path(command[command.index("--run-dir") + 1])
+        commands.append(run_dir.relative_to(tmp_path / "runs"))
+        run = next(run for run in table.all_runs(runs) if run.run_dir == run_dir)
+        if run.row.attn == "floor" and run.stage == 1:
+            return subprocess.CompletedProcess(command, 2)
+        finish(run, 0.75)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(table.subprocess, "run", fake_train)
+    argv = ["--attn", "timm", "floor", "--run-root", str(tmp_path / "runs"), "--output", str(tmp_path / "table.md"),
+            "--stage", "--img-size 8 --epochs 2", "--stage", "--epochs 1", "--", *TINY]
+    assert table.main(argv) == 1
+    assert commands == [Path(p) for p in ("timm/seed0-stage1", "timm/seed0-stage2", "timm/seed0", "floor/seed0-stage1")]
+    out = capsys.readouterr().out
+    assert "floor seed 0 (stage 2): not started, its stage 1 failed" in out
+    assert "floor seed 0: not started, its stage 1 failed" in out
+    text = (tmp_path / "table.md").read_text()
+    assert "--stage '--img-size 8 --epochs 2' --stage '--epochs 1' -- " in text  # the command, as a shell reads it
+    assert f"| floor | — | — | — | — | — | failed (see `{tmp_path / 'runs' / 'floor' / 'seed0-stage1.log'}`) |" in text
 
 
 def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tmp_path, monkeypatch, capsys):
-    _, _, runs = planned(tmp_path, "--stage1-img-size", "8", "--stage1-epochs", "2")
+    _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2")
     timm0, floor0, _, _ = runs
-    first = timm0.stage1
+    (first,) = timm0.earlier
     assert (first.run_dir, first.stage, timm0.stage) == (tmp_path / "runs" / "timm" / "seed0-stage1", 1, 2)
     stage1_config, config = table.expected_config(first.argv), table.expected_config(timm0.argv)
     assert (stage1_config.img_size, stage1_config.epochs, stage1_config.initial_checkpoint) == (8, 2, None)
     assert (config.img_size, config.epochs, config.initial_checkpoint) == (16, 1, str(first.run_dir))
-    assert table.all_runs(runs)[:4] == [timm0.stage1, timm0, floor0.stage1, floor0]
+    assert table.all_runs(runs)[:4] == [first, timm0, floor0.previous, floor0]
 
     commands = []
 
@@ -307,18 +366,18 @@ def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tm
         run_dir = Path(command[command.index("--run-dir") + 1])
         run = next(run for run in table.all_runs(runs) if run.run_dir == run_dir)
         if run.row.attn == "floor" and run.stage == 1:
-            return subprocess.CompletedProcess(command, 2)  # the first stage fails: its second never starts
+            return subprocess.CompletedProcess(command, 2)  # the first stage fails: the second never starts
         finish(run, 0.25 if run.stage == 1 else 0.75)
         return subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(table.subprocess, "run", fake_train)
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
-            "--output", str(tmp_path / "table.md"), "--stage1-img-size", "8", "--stage1-epochs", "2", "--", *TINY]
+            "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
     assert table.main(argv) == 1
     trained = [Path(command[command.index("--run-dir") + 1]).relative_to(tmp_path / "runs") for command in commands]
     assert trained == [Path(p) for p in ("timm/seed0-stage1", "timm/seed0", "floor/seed0-stage1",
                                          "timm/seed1-stage1", "timm/seed1", "floor/seed1-stage1")]
-    assert "floor seed 0: not started, its first stage failed" in capsys.readouterr().out
+    assert "floor seed 0: not started, its stage 1 failed" in capsys.readouterr().out
     text = (tmp_path / "table.md").read_text()
     assert "| timm | 75.00% [75.00–75.00] (2) |" in text  # the second stage's accuracy
     assert f"| floor | — | — | — | — | — | failed (see `{tmp_path / 'runs' / 'floor' / 'seed0-stage1.log'}`) |" in text
@@ -333,12 +392,12 @@ def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tm
 
 
 def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, monkeypatch, capsys):
-    _, _, runs = planned(tmp_path, "--stage1-img-size", "8", "--stage1-epochs", "2")
+    _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2")
     for run in table.all_runs(runs):
         finish(run, 0.5)
     timm0 = runs[0]
-    (timm0.stage1.run_dir / "summary.json").unlink()
-    (timm0.stage1.run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)  # the first stage was stopped
+    (timm0.previous.run_dir / "summary.json").unlink()
+    (timm0.previous.run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)  # the first stage was stopped
     commands = []
 
     def fake_train(command, **kwargs):
@@ -351,26 +410,26 @@ def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, 
 
     monkeypatch.setattr(table.subprocess, "run", fake_train)
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
-            "--output", str(tmp_path / "table.md"), "--stage1-img-size", "8", "--stage1-epochs", "2", "--", *TINY]
+            "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
     assert table.main(argv) == 0
-    assert commands == [["--run-dir", str(timm0.stage1.run_dir), "--resume"],
+    assert commands == [["--run-dir", str(timm0.previous.run_dir), "--resume"],
                         ["--run-dir", str(timm0.run_dir), "--overwrite"]]
     out = capsys.readouterr().out
-    assert "timm seed 0: trained afresh: its first stage is trained in this invocation" in out
+    assert "timm seed 0: trained afresh: the stage it starts from is trained in this invocation" in out
     assert "8 runs: 6 finished before, 2 to train (1 resumed)" in out
 
 
 def test_a_second_stage_older_than_its_first_stages_finish_is_trained_again(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args, train_args = table.parse_args(["--attn", "floor", "--run-root", "runs", "--stage1-img-size", "8",
-                                         "--stage1-epochs", "2", "--", *TINY])
+    args, train_args = table.parse_args(["--attn", "floor", "--run-root", "runs", "--stage", "--img-size 8 --epochs 2",
+                                         "--", *TINY])
     (run,) = table.plan(args, train_args)
-    finish(run.stage1, 0.5)
+    finish(run.previous, 0.5)
     finish(run, 0.5)
     assert table.choose_action(run, retrain=False) == ("reuse", "finished with this config")
     # the same runs, named from another spelling of the run root: still the same runs
     args, train_args = table.parse_args(["--attn", "floor", "--run-root", str(tmp_path / "runs"),
-                                         "--stage1-img-size", "8", "--stage1-epochs", "2", "--", *TINY])
+                                         "--stage", "--img-size 8 --epochs 2", "--", *TINY])
     (spelled,) = table.plan(args, train_args)
     assert table.choose_action(spelled, retrain=False) == ("reuse", "finished with this config")
     # a run of the same config trained from scratch in that folder is not this second stage
@@ -378,20 +437,20 @@ def test_a_second_stage_older_than_its_first_stages_finish_is_trained_again(tmp_
     scratch.initial_checkpoint = None
     (run.run_dir / "config.yaml").write_text(config_yaml(scratch))
     assert table.choose_action(run, retrain=False)[1] == (
-        f"its config differs: initial_checkpoint: None -> {str(run.stage1.run_dir)!r}"
+        f"its config differs: initial_checkpoint: None -> {str(run.previous.run_dir)!r}"
     )
     (run.run_dir / "config.yaml").write_text(config_yaml(table.expected_config(run.argv)))
     # its first stage finished again (an invocation stopped between the stages): the second is stale
     later = (run.run_dir / "config.yaml").stat().st_mtime + 10
-    os.utime(run.stage1.run_dir / "summary.json", (later, later))
-    assert table.choose_action(run, retrain=False) == ("train", "its first stage finished again after it started")
+    os.utime(run.previous.run_dir / "summary.json", (later, later))
+    assert table.choose_action(run, retrain=False) == ("train", "the stage it starts from finished again after it started")
 
 
 def test_eta_counts_each_stage_at_its_own_time_and_not_the_runs_that_will_not_start():
     first = [synthetic_run(row, 0, None, status="not run") for row in ("timm", "floor")]
     second = [synthetic_run(row, 0, None, status="not run") for row in ("timm", "floor")]
     for stage1, run in zip(first, second):
-        stage1.stage, run.stage, run.stage1 = 1, 2, stage1
+        stage1.stage, stage1.last, run.stage, run.previous = 1, False, 2, stage1
     runs = [first[0], second[0], first[1], second[1]]
     first[0].seconds, second[0].seconds = 10.0, 70.0
     first[0].status = second[0].status = "finished"
@@ -402,9 +461,9 @@ def test_eta_counts_each_stage_at_its_own_time_and_not_the_runs_that_will_not_st
 
 def test_a_first_stage_out_of_memory_names_its_log():
     run = synthetic_run("axial", 0, None, status="out of memory")
-    run.stage1 = synthetic_run("axial", 0, None, status="out of memory")
-    run.stage1.run_dir, run.stage = Path("runs/axial/seed0-stage1"), 2
+    run.previous = synthetic_run("axial", 0, None, status="out of memory")
+    run.previous.run_dir, run.previous.stage, run.previous.last, run.stage = Path("runs/axial/seed0-stage1"), 1, False, 2
     results = table.summarize_rows(table.parse_rows(["axial"]), [run])
     assert table.markdown(results, [run], recipe(), "c").splitlines()[2] == (
-        f"| axial | — | — | — | — | — | no: out of memory in its first stage (see `{Path('runs/axial/seed0-stage1.log')}`) |"
+        f"| axial | — | — | — | — | — | no: out of memory in stage 1 (see `{Path('runs/axial/seed0-stage1.log')}`) |"
     )
