@@ -8,11 +8,12 @@
     python scripts/accuracy_table.py --epochs 1 -- --max-train-samples 256          # after --: to every train.py
     python scripts/accuracy_table.py --config configs/cluttered-digits-curriculum.yaml \\
         --stage "--img-size 64 --epochs 4"                                        # a curriculum: 64 px, then 128
+    D="seed=0 train_size=10000 val_size=2000 test_size=2000"   # a stage's --dataset-kwargs replaces them all
     python scripts/accuracy_table.py --config configs/pathfinder.yaml --epochs 10 \\
-        --stage "--epochs 20 --dataset-kwargs level=easy contour_length=2 distractors=0 train_size=10000" \\
-        --stage "--epochs 10 --dataset-kwargs level=easy train_size=10000" \\
-        --stage "--epochs 10 --dataset-kwargs level=intermediate train_size=10000" \\
-        -- --img-size 64 --patch-size 8 --dataset-kwargs level=hard train_size=10000    # a ladder of easier tasks
+        --stage "--epochs 20 --dataset-kwargs level=easy contour_length=2 distractors=0 $D" \\
+        --stage "--epochs 10 --dataset-kwargs level=easy $D" \\
+        --stage "--epochs 10 --dataset-kwargs level=intermediate $D" \\
+        -- --img-size 64 --patch-size 8                                  # a ladder of easier tasks, then hard
 
 Rows (``--attn``): attention types of ``visattn.list_attentions()`` and ``timm``, timm's own Attention in a
 stock timm ViT of the same shape (``train.py --attn timm``), the reference of the speed-up column; by
@@ -65,6 +66,7 @@ import visattn
 from visattn.layers.options import parse_key_values
 from visattn.models import TIMM_ATTENTION
 from visattn.train.attention import resolve_attention
+from visattn.train.cli import build_parser as build_train_parser
 from visattn.train.cli import resolve_config
 from visattn.train.config import ConfigError, TrainConfig, make_config, read_yaml
 from visattn.train.rundir import CONFIG_FILE, list_checkpoints
@@ -129,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
     )
     parser.add_argument("--config", default=str(REPO / "configs" / "digits.yaml"), help="the recipe every row trains with")
     parser.add_argument("--epochs", type=int,
@@ -150,10 +152,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     )
     # A stage is one word that starts with "--": joined to its flag, argparse takes it as the flag's value
     # even without a space in it ("--stage --epochs=4").
-    words, own = own, []
-    while words:
-        word = words.pop(0)
-        own.append(f"--stage={words.pop(0)}" if word == "--stage" and words else word)
+    pending, own = own, []
+    while pending:
+        word = pending.pop(0)
+        own.append(f"--stage={pending.pop(0)}" if word == "--stage" and pending else word)
     args = parser.parse_args(own)
     try:
         args.rows = parse_rows(args.attn or [TIMM_ATTENTION, *visattn.list_attentions()])
@@ -167,19 +169,35 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if taken:
         parser.error(f"after --: {', '.join(taken)} set by the table for each run; use --attn ROW and --seeds")
     args.stage_flags = []
-    for text in args.stages:
-        try:
-            words = shlex.split(text)
-        except ValueError as error:
-            parser.error(f"--stage {text!r}: {error}")
-        taken = sorted({word.partition("=")[0] for word in words} & set(STAGE_FLAGS))
-        if not words or taken:
-            parser.error(f"--stage {text!r}: train.py flags in one word, as \"--img-size 64 --epochs 4\""
-                         + (f"; {', '.join(taken)} set by the table" if taken else ""))
-        args.stage_flags.append(words)
+    for number, text in enumerate(args.stages, start=1):
+        args.stage_flags.append(stage_words(text, lambda problem: parser.error(f"--stage {number} {text!r}: {problem}")))
     if not args.output.endswith(".md"):
         parser.error(f"--output: a markdown file name ending in .md, got {args.output!r}")
     return args, train_args
+
+
+def stage_words(text: str, fail) -> list[str]:
+    """The train.py flags of one ``--stage`` word; ``fail(problem)``, which does not return, for a word that
+    train.py would not take or that sets what the table sets itself."""
+    example = 'give train.py flags in one quoted word, as "--img-size 64 --epochs 4"'
+    try:
+        words = shlex.split(text)
+    except ValueError as error:
+        fail(f"{error}; {example}")
+    if not words:
+        fail(f"empty; {example}")
+    taken = sorted({word.partition("=")[0] for word in words} & set(STAGE_FLAGS))
+    if taken:
+        fail(f"{', '.join(taken)} set by the table for each stage; {example}")
+    train_parser = build_train_parser()
+    train_parser.exit_on_error = False
+    try:
+        unknown = train_parser.parse_known_args(words)[1]
+    except argparse.ArgumentError as error:
+        fail(f"{error}; {example}")
+    if unknown:
+        fail(f"not train.py flags: {' '.join(unknown)} (python train.py --help lists them)")
+    return words
 
 
 # -- the runs ---------------------------------------------------------------------------------------
@@ -229,8 +247,8 @@ class Run:
 def train_argv(
     args: argparse.Namespace, train_args: list[str], row: Row, seed: int, run_dir: Path, stage: list[str],
 ) -> list[str]:
-    """train.py's arguments for ``row`` and ``seed``: the recipe, the arguments after --, the stage's
-    (epochs, image size, starting weights), then the table's own."""
+    """train.py's arguments for ``row`` and ``seed``: the recipe, the arguments after --, the stage's own
+    (its ``--stage`` flags and starting weights, or the last stage's ``--epochs``), then the table's."""
     argv = ["--config", args.config, *train_args, *stage, "--attn", row.attn]
     if row.options:
         recipe = resolve_config(argv)[0]  # the row's options over the recipe's, as one mapping
@@ -280,14 +298,15 @@ def choose_action(run: Run, retrain: bool) -> tuple[str, str]:
     return "train", "no checkpoint to resume from"
 
 
-def starts_from(saved: TrainConfig, first: Run) -> bool:
-    """Whether a saved config starts from ``first``'s folder (its weights), however the path is spelled."""
-    return saved.initial_checkpoint is not None and Path(saved.initial_checkpoint).resolve() == first.run_dir.resolve()
+def starts_from(saved: TrainConfig, previous: Run) -> bool:
+    """Whether a saved config starts from ``previous``'s folder (its weights), however the path is spelled."""
+    return (saved.initial_checkpoint is not None
+            and Path(saved.initial_checkpoint).resolve() == previous.run_dir.resolve())
 
 
-def started_before(run: Run, first: Run) -> bool:
-    """Whether ``run`` started (wrote its config) before ``first`` last finished (wrote its summary)."""
-    summary = first.run_dir / SUMMARY_FILE
+def started_before(run: Run, previous: Run) -> bool:
+    """Whether ``run`` started (wrote its config) before ``previous`` last finished (wrote its summary)."""
+    summary = previous.run_dir / SUMMARY_FILE
     return summary.is_file() and (run.run_dir / CONFIG_FILE).stat().st_mtime < summary.stat().st_mtime
 
 
@@ -469,21 +488,24 @@ def markdown(results: list[RowResult], runs: list[Run], recipe: TrainConfig, com
 
 
 def curriculum(runs: list[Run]) -> str:
-    """The note's words for the earlier stages: their epochs and grids ("" without any)."""
+    """The note's words for the earlier stages: their epochs, grids and dataset options where those differ
+    from the last stage's ("" without any)."""
     earlier = runs[0].earlier if runs else []
     if not earlier:
         return ""
+    last = expected_config(runs[0].argv)
     words = []
     for stage in earlier:
         config = expected_config(stage.argv)
         rows_, cols_ = (side // config.patch_size for side in config.image_hw)
+        data = "" if config.dataset_kwargs == last.dataset_kwargs else f", dataset options {config.dataset_kwargs}"
         words.append(f"{config.epochs} epoch{'s' if config.epochs != 1 else ''} at "
-                     f"{config.image_hw[0]}×{config.image_hw[1]} px ({rows_}×{cols_} grid)")
+                     f"{config.image_hw[0]}×{config.image_hw[1]} px ({rows_}×{cols_} grid){data}")
     if len(words) == 1:
         return f", after a first stage of {words[0]} whose weights it starts from (speed and memory: this last stage alone)"
     return (
-        f", after {len(words)} earlier stages ({'; '.join(words)}), each from the weights of the one before, the last "
-        "stage's weights starting this one (speed and memory: this last stage alone)"
+        f", after {len(words)} earlier stages ({'; '.join(words)}), each but the first from the weights of the one "
+        "before, and from the last stage's weights (speed and memory: this last stage alone)"
     )
 
 
@@ -552,7 +574,7 @@ def run_record(run: Run) -> dict[str, Any]:
 
 
 def write_outputs(output: Path, results: list[RowResult], runs: list[Run], recipe: TrainConfig, command: str) -> str:
-    """The markdown table, and the PNG, JSON and CSV beside it (with every first stage); returns the table."""
+    """The markdown table, and the PNG, JSON and CSV beside it (with every earlier stage); returns the table."""
     output.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(results, runs, recipe, command)
     output.write_text(table)
@@ -583,7 +605,10 @@ def plan(args: argparse.Namespace, train_args: list[str]) -> list[Run]:
                 start = [] if previous is None else ["--initial-checkpoint", str(previous.run_dir)]
                 stage_argv = train_argv(args, train_args, row, seed, stage_dir, [*stage_flags, *start])
                 previous = Run(row, seed, stage_dir, stage_argv, stage=number, previous=previous, last=False)
-                expected_config(previous.argv)  # a ConfigError now rather than after hours of other rows
+                try:  # a ConfigError now rather than after hours of other rows
+                    expected_config(previous.argv)
+                except ConfigError as error:
+                    raise ConfigError(f"in stage {number} (--stage {shlex.join(stage_flags)!r}): {error}") from None
             flags = ["--epochs", str(args.epochs)] if args.epochs is not None else []
             if previous is not None:
                 flags += ["--initial-checkpoint", str(previous.run_dir)]
@@ -628,8 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     for number, run in enumerate(todo, start=1):
         if run.cause is not run:
             run.status = run.cause.status
-            print(f"[{number}/{len(todo)}] {run_name(run)}: not started, its stage {run.cause.stage} {run.cause.status}",
-                  flush=True)
+            outcome = "ran out of memory" if run.cause.status == "out of memory" else run.cause.status
+            print(f"[{number}/{len(todo)}] {run_name(run)}: not started, its stage {run.cause.stage} {outcome}", flush=True)
             write_outputs(output, summarize_rows(args.rows, runs), runs, recipe, command)
             continue
         eta = eta_seconds(every_run)

@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         floor_ms, own_ms = median_ms(floor, args.repeats), median_ms(step, args.repeats)
         print(f"\n## {attn}: {own_ms:.1f} ms per {unit}, floor {floor_ms:.1f} ms: {100 * floor_ms / own_ms:.0f}% of floor")
         floor_ops, own_ops = operator_times(floor), operator_times(step)
-        print(f"  {'operator':<48} {'self time':>11} {'calls':>6} {'floor':>11} {'calls':>6}")
+        print(f"  {'operator':<52} {'self time':>11} {'calls':>6} {'floor':>11} {'calls':>6}")
         for key, (ms, count) in sorted(own_ops.items(), key=lambda item: item[1][0], reverse=True)[: args.top]:
             floor_op_ms, floor_count = floor_ops.get(key, (0.0, 0))
-            print(f"  {key:<48} {ms:8.1f} ms {count:6d} {floor_op_ms:8.1f} ms {floor_count:6d}")
+            print(f"  {key:<52} {ms:8.1f} ms {count:6d} {floor_op_ms:8.1f} ms {floor_count:6d}")
     return 0
 
 

@@ -3,7 +3,8 @@
     python scripts/resolution_table.py --run-root runs/table-cluttered-curriculum --img-size 128 \\
         --attn timm softmax linear linear:rope=null --overlap 0 32 --output resolution.md
 
-The runs are the first stages of a curriculum table (``scripts/accuracy_table.py --stage``):
+The runs are the first stages of a curriculum table with one earlier stage (``scripts/accuracy_table.py
+--stage`` given once):
 ``<run-root>/<row>/seed<k>-stage1``, each trained at the first stage's size, and finished. Each model is
 tested at ``--img-size`` (square) without any training, its inputs normalized as it was trained (the mean
 and std its run recorded), with the weights its run reported (``best``, or ``last`` where it chose them on

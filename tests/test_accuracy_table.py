@@ -284,23 +284,35 @@ def test_attn_timm_is_for_every_block(tmp_path, capsys):
 @pytest.mark.parametrize(
     "stage, message",
     [
-        ("", "--stage '': train.py flags in one word, as \"--img-size 64 --epochs 4\""),
-        ("--epochs 2 --initial-checkpoint runs/x", "--initial-checkpoint set by the table"),
-        ("--seed=3", "--seed set by the table"),
-        ("--dataset-kwargs 'level=easy", "--stage \"--dataset-kwargs 'level=easy\": No closing quotation"),
+        ("", "--stage 1 '': empty; give train.py flags in one quoted word, as \"--img-size 64 --epochs 4\""),
+        ("--epochs 2 --initial-checkpoint runs/x", "--stage 1 '--epochs 2 --initial-checkpoint runs/x': "
+                                                   "--initial-checkpoint set by the table for each stage"),
+        ("--seed=3", "--stage 1 '--seed=3': --seed set by the table for each stage"),
+        ("--dataset-kwargs 'level=easy", "--stage 1 \"--dataset-kwargs 'level=easy\": No closing quotation"),
+        ("--img-sz 64", "--stage 1 '--img-sz 64': not train.py flags: --img-sz 64 (python train.py --help lists them)"),
+        ("--epochs", "--stage 1 '--epochs': argument --epochs: expected one argument"),
     ],
 )
 def test_a_bad_stage_is_refused_by_name(capsys, stage, message):
     with pytest.raises(SystemExit):
         table.parse_args(["--attn", "floor", "--stage", stage])
-    assert message in capsys.readouterr().err
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert message in error and "usage:" not in error
+
+
+def test_a_stage_of_one_flag_word_is_the_stage_and_the_table_takes_no_abbreviation(capsys):
+    args, _ = table.parse_args(["--attn", "floor", "--stage", "--epochs=4", "--epochs", "2"])
+    assert (args.stage_flags, args.epochs) == ([["--epochs=4"]], 2)
+    with pytest.raises(SystemExit):
+        table.parse_args(["--attn", "floor", "--stag", "--epochs 4"])
+    assert "unrecognized arguments: --stag" in capsys.readouterr().err
 
 
 def test_a_bad_flag_in_a_stage_stops_before_any_run(tmp_path, capsys):
     argv = ["--attn", "floor", "--run-root", str(tmp_path / "runs"), "--output", str(tmp_path / "table.md"),
             "--stage", "--epochs 1", "--stage", "--epochs two", "--", *TINY]
     assert table.main(argv) == 2
-    assert "--epochs: expected int, got 'two'" in capsys.readouterr().err
+    assert "in stage 2 (--stage '--epochs two'): --epochs: expected int, got 'two'" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
@@ -318,12 +330,13 @@ def test_each_stage_starts_from_the_one_before_with_its_own_flags(tmp_path):
     assert table.all_runs(runs)[:3] == [first, second, last]
     assert table.run_name(second) == "timm seed 0 (stage 2)" and table.run_name(last) == "timm seed 0"
     assert table.curriculum(runs) == (
-        ", after 2 earlier stages (2 epochs at 8×8 px (2×2 grid); 3 epochs at 16×16 px (4×4 grid)), each from the "
-        "weights of the one before, the last stage's weights starting this one (speed and memory: this last stage alone)"
+        ", after 2 earlier stages (2 epochs at 8×8 px (2×2 grid); 3 epochs at 16×16 px (4×4 grid)), each but the first "
+        "from the weights of the one before, and from the last stage's weights (speed and memory: this last stage alone)"
     )
 
 
-def test_a_failed_stage_stops_the_stages_after_it_and_names_its_log(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_failed_stage_stops_the_stages_after_it_and_names_its_log(tmp_path, monkeypatch, capsys, failing):
     _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2", "--stage", "--epochs 1")
     commands = []
 
@@ -331,7 +344,7 @@ def test_a_failed_stage_stops_the_stages_after_it_and_names_its_log(tmp_path, mo
         run_dir = Path(command[command.index("--run-dir") + 1])
         commands.append(run_dir.relative_to(tmp_path / "runs"))
         run = next(run for run in table.all_runs(runs) if run.run_dir == run_dir)
-        if run.row.attn == "floor" and run.stage == 1:
+        if run.row.attn == "floor" and run.stage == failing:
             return subprocess.CompletedProcess(command, 2)
         finish(run, 0.75)
         return subprocess.CompletedProcess(command, 0)
@@ -340,13 +353,16 @@ def test_a_failed_stage_stops_the_stages_after_it_and_names_its_log(tmp_path, mo
     argv = ["--attn", "timm", "floor", "--run-root", str(tmp_path / "runs"), "--output", str(tmp_path / "table.md"),
             "--stage", "--img-size 8 --epochs 2", "--stage", "--epochs 1", "--", *TINY]
     assert table.main(argv) == 1
-    assert commands == [Path(p) for p in ("timm/seed0-stage1", "timm/seed0-stage2", "timm/seed0", "floor/seed0-stage1")]
+    floor_stages = ["floor/seed0-stage1", "floor/seed0-stage2"][:failing]
+    assert commands == [Path(p) for p in ("timm/seed0-stage1", "timm/seed0-stage2", "timm/seed0", *floor_stages)]
     out = capsys.readouterr().out
-    assert "floor seed 0 (stage 2): not started, its stage 1 failed" in out
-    assert "floor seed 0: not started, its stage 1 failed" in out
+    if failing == 1:
+        assert "floor seed 0 (stage 2): not started, its stage 1 failed" in out
+    assert f"floor seed 0: not started, its stage {failing} failed" in out
     text = (tmp_path / "table.md").read_text()
     assert "--stage '--img-size 8 --epochs 2' --stage '--epochs 1' -- " in text  # the command, as a shell reads it
-    assert f"| floor | — | — | — | — | — | failed (see `{tmp_path / 'runs' / 'floor' / 'seed0-stage1.log'}`) |" in text
+    log = tmp_path / "runs" / "floor" / f"seed0-stage{failing}.log"
+    assert f"| floor | — | — | — | — | — | failed (see `{log}`) |" in text
 
 
 def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tmp_path, monkeypatch, capsys):
