@@ -168,6 +168,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     taken = sorted({arg.partition("=")[0] for arg in train_args} & set(TABLE_FLAGS))
     if taken:
         parser.error(f"after --: {', '.join(taken)} set by the table for each run; use --attn ROW and --seeds")
+    try:
+        unknown = unknown_train_words(train_args)
+    except argparse.ArgumentError as error:
+        parser.error(f"after --: {error}")
+    if unknown:
+        parser.error(f"after --: not train.py flags: {' '.join(unknown)} (python train.py --help lists them, in full)")
     args.stage_flags = []
     for number, text in enumerate(args.stages, start=1):
         args.stage_flags.append(stage_words(text, lambda problem: parser.error(f"--stage {number} {text!r}: {problem}")))
@@ -189,15 +195,22 @@ def stage_words(text: str, fail) -> list[str]:
     taken = sorted({word.partition("=")[0] for word in words} & set(STAGE_FLAGS))
     if taken:
         fail(f"{', '.join(taken)} set by the table for each stage; {example}")
-    train_parser = build_train_parser()
-    train_parser.exit_on_error = False
     try:
-        unknown = train_parser.parse_known_args(words)[1]
+        unknown = unknown_train_words(words)
     except argparse.ArgumentError as error:
         fail(f"{error}; {example}")
     if unknown:
-        fail(f"not train.py flags: {' '.join(unknown)} (python train.py --help lists them)")
+        fail(f"not train.py flags: {' '.join(unknown)} (python train.py --help lists them, in full)")
     return words
+
+
+def unknown_train_words(words: list[str]) -> list[str]:
+    """The words train.py would not take as its flags, abbreviations included: the table recognises the flags
+    it sets by their full names. ``argparse.ArgumentError`` for a flag without its value."""
+    train_parser = build_train_parser()
+    train_parser.exit_on_error = False
+    train_parser.allow_abbrev = False
+    return train_parser.parse_known_args(words)[1]
 
 
 # -- the runs ---------------------------------------------------------------------------------------
@@ -504,8 +517,8 @@ def curriculum(runs: list[Run]) -> str:
     if len(words) == 1:
         return f", after a first stage of {words[0]} whose weights it starts from (speed and memory: this last stage alone)"
     return (
-        f", after {len(words)} earlier stages ({'; '.join(words)}), each but the first from the weights of the one "
-        "before, and from the last stage's weights (speed and memory: this last stage alone)"
+        f", after {len(words)} earlier stages ({'; '.join(words)}), each from the weights of the one before, and "
+        f"this last stage from those of stage {len(words)} (speed and memory: this last stage alone)"
     )
 
 
@@ -603,12 +616,12 @@ def plan(args: argparse.Namespace, train_args: list[str]) -> list[Run]:
             for number, stage_flags in enumerate(args.stage_flags, start=1):
                 stage_dir = run_dir.with_name(f"{run_dir.name}-stage{number}")
                 start = [] if previous is None else ["--initial-checkpoint", str(previous.run_dir)]
-                stage_argv = train_argv(args, train_args, row, seed, stage_dir, [*stage_flags, *start])
-                previous = Run(row, seed, stage_dir, stage_argv, stage=number, previous=previous, last=False)
                 try:  # a ConfigError now rather than after hours of other rows
-                    expected_config(previous.argv)
+                    stage_argv = train_argv(args, train_args, row, seed, stage_dir, [*stage_flags, *start])
+                    expected_config(stage_argv)
                 except ConfigError as error:
-                    raise ConfigError(f"in stage {number} (--stage {shlex.join(stage_flags)!r}): {error}") from None
+                    raise ConfigError(f"in stage {number} (--stage {shlex.join(stage_flags)}): {error}") from None
+                previous = Run(row, seed, stage_dir, stage_argv, stage=number, previous=previous, last=False)
             flags = ["--epochs", str(args.epochs)] if args.epochs is not None else []
             if previous is not None:
                 flags += ["--initial-checkpoint", str(previous.run_dir)]

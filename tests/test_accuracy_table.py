@@ -56,6 +56,9 @@ def test_flags_the_table_sets_cannot_come_after_the_separator(capsys):
     with pytest.raises(SystemExit):
         table.parse_args(["--attn", "floor", "--", "--seed", "3"])
     assert "after --: --seed set by the table for each run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        table.parse_args(["--attn", "floor", "--", "--resu"])  # --resume, abbreviated
+    assert "after --: not train.py flags: --resu (python train.py --help lists them, in full)" in capsys.readouterr().err
 
 
 # -- the summary over seeds, the table and its files (synthetic runs) -----------------------------------------
@@ -289,7 +292,9 @@ def test_attn_timm_is_for_every_block(tmp_path, capsys):
                                                    "--initial-checkpoint set by the table for each stage"),
         ("--seed=3", "--stage 1 '--seed=3': --seed set by the table for each stage"),
         ("--dataset-kwargs 'level=easy", "--stage 1 \"--dataset-kwargs 'level=easy\": No closing quotation"),
-        ("--img-sz 64", "--stage 1 '--img-sz 64': not train.py flags: --img-sz 64 (python train.py --help lists them)"),
+        ("--img-sz 64", "--stage 1 '--img-sz 64': not train.py flags: --img-sz 64 (python train.py --help lists them"),
+        ("--init runs/x", "--stage 1 '--init runs/x': not train.py flags: --init runs/x"),  # --initial-checkpoint
+        ("--see 3", "--stage 1 '--see 3': not train.py flags: --see 3"),  # --seed
         ("--epochs", "--stage 1 '--epochs': argument --epochs: expected one argument"),
     ],
 )
@@ -312,7 +317,7 @@ def test_a_bad_flag_in_a_stage_stops_before_any_run(tmp_path, capsys):
     argv = ["--attn", "floor", "--run-root", str(tmp_path / "runs"), "--output", str(tmp_path / "table.md"),
             "--stage", "--epochs 1", "--stage", "--epochs two", "--", *TINY]
     assert table.main(argv) == 2
-    assert "in stage 2 (--stage '--epochs two'): --epochs: expected int, got 'two'" in capsys.readouterr().err
+    assert "in stage 2 (--stage --epochs two): --epochs: expected int, got 'two'" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
@@ -330,8 +335,8 @@ def test_each_stage_starts_from_the_one_before_with_its_own_flags(tmp_path):
     assert table.all_runs(runs)[:3] == [first, second, last]
     assert table.run_name(second) == "timm seed 0 (stage 2)" and table.run_name(last) == "timm seed 0"
     assert table.curriculum(runs) == (
-        ", after 2 earlier stages (2 epochs at 8×8 px (2×2 grid); 3 epochs at 16×16 px (4×4 grid)), each but the first "
-        "from the weights of the one before, and from the last stage's weights (speed and memory: this last stage alone)"
+        ", after 2 earlier stages (2 epochs at 8×8 px (2×2 grid); 3 epochs at 16×16 px (4×4 grid)), each from the "
+        "weights of the one before, and this last stage from those of stage 2 (speed and memory: this last stage alone)"
     )
 
 
