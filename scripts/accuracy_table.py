@@ -168,12 +168,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     taken = sorted({arg.partition("=")[0] for arg in train_args} & set(TABLE_FLAGS))
     if taken:
         parser.error(f"after --: {', '.join(taken)} set by the table for each run; use --attn ROW and --seeds")
-    try:
-        unknown = unknown_train_words(train_args)
-    except argparse.ArgumentError as error:
-        parser.error(f"after --: {error}")
-    if unknown:
-        parser.error(f"after --: not train.py flags: {' '.join(unknown)} (python train.py --help lists them, in full)")
+    problem = train_flags_problem(train_args)
+    if problem:
+        parser.error(f"after --: {problem}")
     args.stage_flags = []
     for number, text in enumerate(args.stages, start=1):
         args.stage_flags.append(stage_words(text, lambda problem: parser.error(f"--stage {number} {text!r}: {problem}")))
@@ -195,22 +192,23 @@ def stage_words(text: str, fail) -> list[str]:
     taken = sorted({word.partition("=")[0] for word in words} & set(STAGE_FLAGS))
     if taken:
         fail(f"{', '.join(taken)} set by the table for each stage; {example}")
-    try:
-        unknown = unknown_train_words(words)
-    except argparse.ArgumentError as error:
-        fail(f"{error}; {example}")
-    if unknown:
-        fail(f"not train.py flags: {' '.join(unknown)} (python train.py --help lists them, in full)")
+    problem = train_flags_problem(words)
+    if problem:
+        fail(problem if problem.startswith("not train.py flags") else f"{problem}; {example}")
     return words
 
 
-def unknown_train_words(words: list[str]) -> list[str]:
-    """The words train.py would not take as its flags, abbreviations included: the table recognises the flags
-    it sets by their full names. ``argparse.ArgumentError`` for a flag without its value."""
+def train_flags_problem(words: list[str]) -> str | None:
+    """Why train.py would not take ``words`` as its flags (None if it would), abbreviations refused: the table
+    recognises the flags it sets by their full names."""
     train_parser = build_train_parser()
     train_parser.exit_on_error = False
     train_parser.allow_abbrev = False
-    return train_parser.parse_known_args(words)[1]
+    try:
+        unknown = train_parser.parse_known_args(words)[1]
+    except argparse.ArgumentError as error:  # a flag without its value
+        return str(error)
+    return f"not train.py flags: {' '.join(unknown)} (python train.py --help lists them, in full)" if unknown else None
 
 
 # -- the runs ---------------------------------------------------------------------------------------
