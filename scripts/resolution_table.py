@@ -4,7 +4,7 @@
         --attn timm softmax linear linear:rope=null --overlap 0 32 --output resolution.md
 
 The runs are the first stages of a curriculum table with one earlier stage (``scripts/accuracy_table.py
---stage`` given once):
+--stage`` given once; a root with a later earlier stage, ``seed<k>-stage2``, is refused):
 ``<run-root>/<row>/seed<k>-stage1``, each trained at the first stage's size, and finished. Each model is
 tested at ``--img-size`` (square) without any training, its inputs normalized as it was trained (the mean
 and std its run recorded), with the weights its run reported (``best``, or ``last`` where it chose them on
@@ -259,6 +259,18 @@ def evaluate(stage: FinishedRun, img_size: int, overlaps: list[int], merge: str,
     return evaluation
 
 
+def first_stage(row_dir: Path, seed: int) -> Path:
+    """``<row_dir>/seed<seed>-stage1``; ValueError where the row's curriculum has more than one earlier stage,
+    whose ``seed<k>`` would not be the second stage of the first."""
+    later = sorted(path.name for path in row_dir.glob(f"seed{seed}-stage*") if path.name != f"seed{seed}-stage1")
+    if later:
+        raise ValueError(
+            f"--run-root: {row_dir} holds {', '.join(later)} beside seed{seed}-stage1: a curriculum of more than "
+            "one earlier stage; accepted: a table trained with one --stage"
+        )
+    return row_dir / f"seed{seed}-stage1"
+
+
 def second_stage_accuracy(stage: FinishedRun, img_size: int) -> float | None:
     """The test accuracy of ``stage``'s second stage (``seed<k>`` beside it), if it finished at ``img_size``."""
     second = stage.run_dir.parent / f"seed{stage.seed}"
@@ -317,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join(["python", "scripts/resolution_table.py", *(sys.argv[1:] if argv is None else argv)])
     try:
-        stages = [read_run(row.label, seed, Path(args.run_root) / row.folder / f"seed{seed}-stage1")
+        stages = [read_run(row.label, seed, first_stage(Path(args.run_root) / row.folder, seed))
                   for row in args.rows for seed in args.seeds]
         for stage in stages:
             check_sizes(stage, args.img_size, args.overlap)

@@ -164,6 +164,16 @@ def test_a_missing_or_unfinished_run_is_one_line_naming_it(tmp_path, capsys):
     assert "summary.json does not exist: not a finished training run" in capsys.readouterr().err
 
 
+def test_a_curriculum_of_several_earlier_stages_is_refused_naming_them(tmp_path, capsys):
+    for name in ("seed0-stage1", "seed0-stage2", "seed0"):
+        (tmp_path / "linear" / name).mkdir(parents=True)
+    assert resolution.main(["--run-root", str(tmp_path), "--attn", "linear", "--img-size", "32",
+                            "--output", str(tmp_path / "t.md")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0
+    assert "holds seed0-stage2 beside seed0-stage1" in error and "accepted: a table trained with one --stage" in error
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--overlap", "-4"], "--overlap: pixels >= 0"),
     (["--img-size", "0"], "--img-size: must be >= 1"),
