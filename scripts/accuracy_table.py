@@ -499,8 +499,8 @@ def markdown(results: list[RowResult], runs: list[Run], recipe: TrainConfig, com
 
 
 def curriculum(runs: list[Run]) -> str:
-    """The note's words for the earlier stages: their epochs, grids and dataset options where those differ
-    from the last stage's ("" without any)."""
+    """The note's words for the earlier stages: their epochs, grids, and dataset and its options where those
+    differ from the last stage's ("" without any)."""
     earlier = runs[0].earlier if runs else []
     if not earlier:
         return ""
@@ -509,7 +509,9 @@ def curriculum(runs: list[Run]) -> str:
     for stage in earlier:
         config = expected_config(stage.argv)
         rows_, cols_ = (side // config.patch_size for side in config.image_hw)
-        data = "" if config.dataset_kwargs == last.dataset_kwargs else f", dataset options {config.dataset_kwargs}"
+        data = "" if config.dataset == last.dataset else f" of {config.dataset}"
+        if config.dataset_kwargs != last.dataset_kwargs:
+            data += f", dataset options {config.dataset_kwargs}"
         words.append(f"{config.epochs} epoch{'s' if config.epochs != 1 else ''} at "
                      f"{config.image_hw[0]}×{config.image_hw[1]} px ({rows_}×{cols_} grid){data}")
     if len(words) == 1:

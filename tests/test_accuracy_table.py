@@ -340,6 +340,16 @@ def test_each_stage_starts_from_the_one_before_with_its_own_flags(tmp_path):
     )
 
 
+def test_the_note_names_a_stage_s_dataset_and_options_where_they_differ_from_the_last_stage_s(tmp_path):
+    other_dataset = "--dataset cluttered-digits --dataset-kwargs digit_size=8 clutter_size=2 --epochs 2"
+    _, _, runs = planned(tmp_path, "--stage", other_dataset, "--stage", "--epochs 3")
+    assert table.curriculum(runs) == (
+        ", after 2 earlier stages (2 epochs at 16×16 px (4×4 grid) of cluttered-digits, dataset options "
+        "{'digit_size': 8, 'clutter_size': 2}; 3 epochs at 16×16 px (4×4 grid)), each from the weights of the "
+        "one before, and this last stage from those of stage 2 (speed and memory: this last stage alone)"
+    )
+
+
 @pytest.mark.parametrize("failing", [1, 2])
 def test_a_failed_stage_stops_the_stages_after_it_and_names_its_log(tmp_path, monkeypatch, capsys, failing):
     _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2", "--stage", "--epochs 1")
