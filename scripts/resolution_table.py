@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -262,7 +263,8 @@ def evaluate(stage: FinishedRun, img_size: int, overlaps: list[int], merge: str,
 def first_stage(row_dir: Path, seed: int) -> Path:
     """``<row_dir>/seed<seed>-stage1``; ValueError where the row's curriculum has more than one earlier stage,
     whose ``seed<k>`` would not be the second stage of the first."""
-    later = sorted(path.name for path in row_dir.glob(f"seed{seed}-stage*") if path.name != f"seed{seed}-stage1")
+    later = sorted(path.name for path in row_dir.glob(f"seed{seed}-stage*")
+                   if path.is_dir() and re.fullmatch(rf"seed{seed}-stage([2-9]|\d\d+)", path.name))
     if later:
         raise ValueError(
             f"--run-root: {row_dir} holds {', '.join(later)} beside seed{seed}-stage1: a curriculum of more than "
