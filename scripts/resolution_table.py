@@ -4,7 +4,8 @@
         --attn timm softmax linear linear:rope=null --overlap 0 32 --output resolution.md
 
 The runs are the first stages of a curriculum table with one earlier stage (``scripts/accuracy_table.py
---stage`` given once; a root with a later earlier stage, ``seed<k>-stage2``, is refused):
+--stage`` given once; a root with a second earlier stage, ``seed<k>-stage2`` of ``--stage`` given twice, is
+refused):
 ``<run-root>/<row>/seed<k>-stage1``, each trained at the first stage's size, and finished. Each model is
 tested at ``--img-size`` (square) without any training, its inputs normalized as it was trained (the mean
 and std its run recorded), with the weights its run reported (``best``, or ``last`` where it chose them on
@@ -261,14 +262,17 @@ def evaluate(stage: FinishedRun, img_size: int, overlaps: list[int], merge: str,
 
 
 def first_stage(row_dir: Path, seed: int) -> Path:
-    """``<row_dir>/seed<seed>-stage1``; ValueError where the row's curriculum has more than one earlier stage,
-    whose ``seed<k>`` would not be the second stage of the first."""
-    later = sorted(path.name for path in row_dir.glob(f"seed{seed}-stage*")
-                   if path.is_dir() and re.fullmatch(rf"seed{seed}-stage([2-9]|\d\d+)", path.name))
+    """``<row_dir>/seed<seed>-stage1``; ValueError where the row's curriculum has more than one earlier stage:
+    its ``seed<k>`` starts from the last of them, not from ``seed<k>-stage1``, so it is no second stage of it."""
+    later = {}
+    for path in row_dir.glob(f"seed{seed}-stage*"):
+        match = re.fullmatch(rf"seed{seed}-stage([1-9]\d*)", path.name)  # the table's logs beside them do not match
+        if match and int(match[1]) > 1:
+            later[int(match[1])] = path.name
     if later:
         raise ValueError(
-            f"--run-root: {row_dir} holds {', '.join(later)} beside seed{seed}-stage1: a curriculum of more than "
-            "one earlier stage; accepted: a table trained with one --stage"
+            f"--run-root: {row_dir} holds {', '.join(later[number] for number in sorted(later))} beside "
+            f"seed{seed}-stage1: a curriculum of more than one earlier stage; accepted: a table trained with one --stage"
         )
     return row_dir / f"seed{seed}-stage1"
 

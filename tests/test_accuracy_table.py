@@ -340,7 +340,7 @@ def test_each_stage_starts_from_the_one_before_with_its_own_flags(tmp_path):
     )
 
 
-def test_the_note_names_a_stage_s_dataset_and_options_where_they_differ_from_the_last_stage_s(tmp_path):
+def test_the_note_names_an_earlier_stage_s_dataset_and_options_where_they_differ_from_the_last_one_s(tmp_path):
     other_dataset = "--dataset cluttered-digits --dataset-kwargs digit_size=8 clutter_size=2 --epochs 2"
     _, _, runs = planned(tmp_path, "--stage", other_dataset, "--stage", "--epochs 3")
     assert table.curriculum(runs) == (

@@ -165,15 +165,21 @@ def test_a_missing_or_unfinished_run_is_one_line_naming_it(tmp_path, capsys):
 
 
 def test_a_curriculum_of_several_earlier_stages_is_refused_naming_them(tmp_path, capsys):
-    for name in ("seed0-stage1", "seed0-stage2", "seed0"):
+    for name in ("seed0-stage1", "seed0-stage2", "seed0-stage10", "seed0"):
         (tmp_path / "linear" / name).mkdir(parents=True)
-        (tmp_path / "linear" / f"{name}.log").write_text("")  # the table's logs beside the runs are no stages
     assert resolution.main(["--run-root", str(tmp_path), "--attn", "linear", "--img-size", "32",
                             "--output", str(tmp_path / "t.md")]) == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0
-    assert "holds seed0-stage2 beside seed0-stage1" in error and "accepted: a table trained with one --stage" in error
-    (tmp_path / "linear" / "seed0-stage2").rmdir()
+    assert "holds seed0-stage2, seed0-stage10 beside seed0-stage1" in error
+    assert "accepted: a table trained with one --stage" in error
+
+
+def test_the_table_s_logs_beside_a_one_stage_curriculum_are_no_stages(tmp_path):
+    for name in ("seed0-stage1", "seed0"):
+        (tmp_path / "linear" / name).mkdir(parents=True)
+    for log in ("seed0-stage1.log", "seed0-stage2.log", "seed0.log"):
+        (tmp_path / "linear" / log).write_text("")
     assert resolution.first_stage(tmp_path / "linear", 0) == tmp_path / "linear" / "seed0-stage1"
 
 
