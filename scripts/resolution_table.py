@@ -264,7 +264,7 @@ def evaluate(stage: FinishedRun, img_size: int, overlaps: list[int], merge: str,
 def first_stage(row_dir: Path, seed: int) -> Path:
     """``<row_dir>/seed<seed>-stage1``; ValueError where the row's curriculum has more than one earlier stage:
     its ``seed<k>`` starts from the last of them, not from ``seed<k>-stage1``, so it is no second stage of it."""
-    later = {}
+    later: dict[int, str] = {}  # stage number: folder name
     for path in row_dir.glob(f"seed{seed}-stage*"):
         match = re.fullmatch(rf"seed{seed}-stage([1-9]\d*)", path.name)  # the table's logs beside them do not match
         if match and int(match[1]) > 1:
