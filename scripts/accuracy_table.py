@@ -606,15 +606,21 @@ def write_outputs(output: Path, results: list[RowResult], runs: list[Run], recip
 
 
 # -- main -------------------------------------------------------------------------------------------
+def run_folder(seed: int, stage: int | None = None) -> str:
+    """A run's folder in its row's: ``seed<k>`` for the recipe's run, ``seed<k>-stage<i>`` for its i-th earlier
+    stage."""
+    return f"seed{seed}" if stage is None else f"seed{seed}-stage{stage}"
+
+
 def plan(args: argparse.Namespace, train_args: list[str]) -> list[Run]:
     """Every (row, seed) run, with what to do with it; a config train.py would refuse stops here."""
     runs = []
     for seed in args.seeds:  # every row's first seed, then every row's second: a partial table has every row
         for row in args.rows:
-            run_dir = Path(args.run_root) / row.folder / f"seed{seed}"
+            run_dir = Path(args.run_root) / row.folder / run_folder(seed)
             previous = None
             for number, stage_flags in enumerate(args.stage_flags, start=1):
-                stage_dir = run_dir.with_name(f"{run_dir.name}-stage{number}")
+                stage_dir = run_dir.with_name(run_folder(seed, number))
                 start = [] if previous is None else ["--initial-checkpoint", str(previous.run_dir)]
                 try:  # a ConfigError now rather than after hours of other rows
                     stage_argv = train_argv(args, train_args, row, seed, stage_dir, [*stage_flags, *start])

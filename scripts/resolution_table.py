@@ -65,7 +65,7 @@ from visattn.train.rundir import CONFIG_FILE
 from visattn.train.run_log import SUMMARY_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from accuracy_table import parse_rows  # noqa: E402  (the rows are spelled as the table spells them)
+from accuracy_table import parse_rows, run_folder  # noqa: E402  (rows and folders as the table names them)
 
 TRAINED = "trained size"
 UPSAMPLED = "upsampled"
@@ -264,22 +264,23 @@ def evaluate(stage: FinishedRun, img_size: int, overlaps: list[int], merge: str,
 def first_stage(row_dir: Path, seed: int) -> Path:
     """``<row_dir>/seed<seed>-stage1``; ValueError where the row's curriculum has more than one earlier stage:
     its ``seed<k>`` starts from the last of them, not from ``seed<k>-stage1``, so it is no second stage of it."""
+    first = run_folder(seed, 1)
     later: dict[int, str] = {}  # stage number: folder name
-    for path in row_dir.glob(f"seed{seed}-stage*"):
-        match = re.fullmatch(rf"seed{seed}-stage([1-9]\d*)", path.name)  # the table's logs beside them do not match
+    for path in row_dir.glob(f"{run_folder(seed)}-stage*"):
+        match = re.fullmatch(rf"{run_folder(seed)}-stage([1-9]\d*)", path.name)  # not the table's logs beside them
         if match and int(match[1]) > 1:
             later[int(match[1])] = path.name
     if later:
         raise ValueError(
             f"--run-root: {row_dir} holds {', '.join(later[number] for number in sorted(later))} beside "
-            f"seed{seed}-stage1: a curriculum of more than one earlier stage; accepted: a table trained with one --stage"
+            f"{first}: a curriculum of more than one earlier stage; accepted: a table trained with one --stage"
         )
-    return row_dir / f"seed{seed}-stage1"
+    return row_dir / first
 
 
 def second_stage_accuracy(stage: FinishedRun, img_size: int) -> float | None:
     """The test accuracy of ``stage``'s second stage (``seed<k>`` beside it), if it finished at ``img_size``."""
-    second = stage.run_dir.parent / f"seed{stage.seed}"
+    second = stage.run_dir.parent / run_folder(stage.seed)
     try:
         stage_two = read_run(stage.row, stage.seed, second)
     except (ValueError, ConfigError, OSError):
