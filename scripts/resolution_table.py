@@ -32,6 +32,13 @@ model that cannot be built at the larger size) is one line on stderr, ``error`` 
 the JSON, and the exit status is 1; a run that is missing or unfinished, or a size its tiles cannot take,
 stops the script before anything is tested, with one line, exit status 2. Writes the markdown table
 (``--output``) and the same as JSON, with each column's seconds (the forward passes over the test split).
+
+Runs trained outside a table are named instead of a run root: ``--runs FIRST[:SECOND] ...``, each its own row
+(named by FIRST's path), FIRST tested as above and SECOND, if given, a finished run of the same model trained
+on at ``--img-size``:
+
+    python scripts/resolution_table.py --runs runs/pf64-easy-softmax:runs/pf128-easy-softmax --img-size 128 \\
+        --overlap 0 32 --output pathfinder-resolution.md
 """
 from __future__ import annotations
 
@@ -65,7 +72,7 @@ from visattn.train.rundir import CONFIG_FILE
 from visattn.train.run_log import SUMMARY_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from accuracy_table import parse_rows, run_folder  # noqa: E402  (rows and folders as the table names them)
+from accuracy_table import Row, parse_rows, run_folder  # noqa: E402  (rows and folders as the table names them)
 
 TRAINED = "trained size"
 UPSAMPLED = "upsampled"
@@ -93,6 +100,7 @@ class FinishedRun:
     summary: dict[str, Any]
     mean: tuple[float, ...]  # the normalization it was trained with
     std: tuple[float, ...]
+    second_stage: Path | None = None  # the same model trained on at the larger size, if it was
 
     @property
     def weights(self) -> str:
@@ -118,9 +126,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--run-root", required=True, help="a curriculum table's run root: <run-root>/<row>/seed<k>-stage1")
-    parser.add_argument("--attn", nargs="+", required=True, metavar="ROW", help="rows, as scripts/accuracy_table.py takes them")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="the seeds of the runs (default: 0)")
+    parser.add_argument("--run-root", help="a curriculum table's run root: <run-root>/<row>/seed<k>-stage1")
+    parser.add_argument("--attn", nargs="+", metavar="ROW", help="rows, as scripts/accuracy_table.py takes them (with --run-root)")
+    parser.add_argument("--seeds", nargs="+", type=int, help="the seeds of the runs (with --run-root; default: 0)")
+    parser.add_argument("--runs", nargs="+", type=run_pair, metavar="FIRST[:SECOND]",
+                        help="instead of --run-root: finished runs, each a row, and the runs that trained them on at --img-size")
     parser.add_argument("--img-size", type=int, required=True, metavar="PX", help="the larger (square) image size to test at")
     parser.add_argument("--overlap", nargs="+", type=int, default=[0], metavar="PX",
                         help="overlaps of neighbouring tiles in pixels, one tiled column each (default: 0)")
@@ -128,21 +138,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
     parser.add_argument("--output", default="resolution_table.md", help="the markdown table; .json beside it")
     args = parser.parse_args(argv)
-    try:
-        args.rows = parse_rows(args.attn)
-    except ValueError as error:
-        parser.error(f"--attn: {error}")
+    if args.runs is not None:
+        for flag, value in (("--run-root", args.run_root), ("--attn", args.attn), ("--seeds", args.seeds)):
+            if value is not None:
+                parser.error(f"{flag}: not with --runs (each run is its own row, trained with its own seed)")
+    elif args.run_root is None or args.attn is None:
+        parser.error("either --run-root with --attn, or --runs")
+    else:
+        try:
+            args.rows = parse_rows(args.attn)
+        except ValueError as error:
+            parser.error(f"--attn: {error}")
+        args.seeds = [0] if args.seeds is None else args.seeds
     for flag, value in (("--img-size", args.img_size), ("--batch-size", args.batch_size)):
         if value < 1:
             parser.error(f"{flag}: must be >= 1, got {value}")
     if min(args.overlap) < 0:
         parser.error(f"--overlap: pixels >= 0, got {min(args.overlap)}")
-    for flag, values in (("--overlap", args.overlap), ("--seeds", args.seeds)):
+    for flag, values in (("--overlap", args.overlap), ("--seeds", args.seeds or []), ("--runs", args.runs or [])):
         if len(set(values)) != len(values):
             parser.error(f"{flag}: each value once, got {' '.join(map(str, values))}")
     if not args.output.endswith(".md"):
         parser.error(f"--output: a markdown file name ending in .md, got {args.output!r}")
     return args
+
+
+def run_pair(word: str) -> tuple[Path, Path | None]:
+    """``FIRST[:SECOND]`` -> (FIRST, SECOND or None)."""
+    first, _, second = word.partition(":")
+    if not first or (_ and not second):
+        raise argparse.ArgumentTypeError(f"a run folder, or two joined by ':' (FIRST:SECOND), got {word!r}")
+    return Path(first), Path(second) if second else None
 
 
 def read_run(row: str, seed: int, run_dir: Path) -> FinishedRun:
@@ -278,11 +304,37 @@ def first_stage(row_dir: Path, seed: int) -> Path:
     return row_dir / first
 
 
+def table_stages(run_root: Path, rows: list[Row], seeds: list[int]) -> list[FinishedRun]:
+    """The first stages of a table's rows and seeds, each with its second stage (``seed<k>`` beside it)."""
+    stages = []
+    for row in rows:
+        for seed in seeds:
+            stage = read_run(row.label, seed, first_stage(run_root / row.folder, seed))
+            stages.append(replace(stage, second_stage=stage.run_dir.parent / run_folder(seed)))
+    return stages
+
+
+def named_stages(runs: list[tuple[Path, Path | None]], img_size: int) -> list[FinishedRun]:
+    """Each run of ``--runs`` as a row named by its path, with the seed it was trained with and its second stage,
+    which must be a finished run at ``img_size`` (ValueError, one line naming it, otherwise)."""
+    stages = []
+    for first, second in runs:
+        stage = read_run(str(first), 0, first)
+        if second is not None:
+            trained = read_run(str(first), 0, second).config.image_hw
+            if trained != (img_size, img_size):
+                raise ValueError(f"--runs: {second} was trained at {trained[0]}x{trained[1]} px, not at --img-size "
+                                 f"{img_size}: not a second stage of {first} at that size")
+        stages.append(replace(stage, seed=stage.config.seed, second_stage=second))
+    return stages
+
+
 def second_stage_accuracy(stage: FinishedRun, img_size: int) -> float | None:
-    """The test accuracy of ``stage``'s second stage (``seed<k>`` beside it), if it finished at ``img_size``."""
-    second = stage.run_dir.parent / run_folder(stage.seed)
+    """The test accuracy of ``stage``'s second stage, if it has one that finished at ``img_size``."""
+    if stage.second_stage is None:
+        return None
     try:
-        stage_two = read_run(stage.row, stage.seed, second)
+        stage_two = read_run(stage.row, stage.seed, stage.second_stage)
     except (ValueError, ConfigError, OSError):
         return None
     return stage_two.summary["test_acc"] if stage_two.config.image_hw == (img_size, img_size) else None
@@ -336,8 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join(["python", "scripts/resolution_table.py", *(sys.argv[1:] if argv is None else argv)])
     try:
-        stages = [read_run(row.label, seed, first_stage(Path(args.run_root) / row.folder, seed))
-                  for row in args.rows for seed in args.seeds]
+        if args.runs is None:
+            stages = table_stages(Path(args.run_root), args.rows, args.seeds)
+        else:
+            stages = named_stages(args.runs, args.img_size)
         for stage in stages:
             check_sizes(stage, args.img_size, args.overlap)
     except (ValueError, ConfigError, OSError) as error:
@@ -354,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {stage.row} seed {stage.seed}, {column}: {reason}", file=sys.stderr, flush=True)
     for stage, evaluation in zip(stages, evaluations):  # read last: a second stage may finish meanwhile
         evaluation.accuracy[SECOND_STAGE] = second_stage_accuracy(stage, args.img_size)
-    text = markdown(evaluations, [row.label for row in args.rows], args.overlap, args.img_size, command)
+    rows = [row.label for row in args.rows] if args.runs is None else [stage.row for stage in stages]
+    text = markdown(evaluations, rows, args.overlap, args.img_size, command)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)

@@ -198,3 +198,50 @@ def test_bad_flags_are_refused_by_name(flags, message, capsys):
     with pytest.raises(SystemExit):
         resolution.main([word for flag, values in base.items() for word in (flag, *values)])
     assert message in capsys.readouterr().err
+
+
+def _finished_run(run_dir: Path, img_size: int, seed: int, test_acc: float) -> Path:
+    """The files resolution_table reads of a finished run (no weights: nothing is tested here)."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"img_size: {img_size}\npatch_size: 4\nseed: {seed}\n")
+    (run_dir / "summary.json").write_text(json.dumps({"test_acc": test_acc}))
+    (run_dir / "model.json").write_text(json.dumps({"model": "visattn_vit_tiny_patch16", "kwargs": {"img_size": img_size, "num_classes": 2}}))
+    return run_dir
+
+
+def test_named_runs_are_rows_by_path_with_their_own_seed_and_the_second_stage_they_name(tmp_path):
+    first = _finished_run(tmp_path / "pf32-linear", 32, seed=3, test_acc=0.8)
+    second = _finished_run(tmp_path / "pf64-linear", 64, seed=3, test_acc=0.6)
+    alone = _finished_run(tmp_path / "pf32-softmax", 32, seed=1, test_acc=0.7)
+    stages = resolution.named_stages([(first, second), (alone, None)], img_size=64)
+    assert [(stage.row, stage.seed, stage.second_stage) for stage in stages] == [
+        (str(first), 3, second), (str(alone), 1, None)]
+    assert [resolution.second_stage_accuracy(stage, 64) for stage in stages] == [0.6, None]
+
+
+def test_a_named_second_stage_not_at_the_larger_size_or_unfinished_is_one_line_naming_it(tmp_path, capsys):
+    first = _finished_run(tmp_path / "pf32-linear", 32, seed=0, test_acc=0.8)
+    other = _finished_run(tmp_path / "pf48-linear", 48, seed=0, test_acc=0.6)
+    for second, message in [
+        (other, f"--runs: {other} was trained at 48x48 px, not at --img-size 64: not a second stage of {first}"),
+        (tmp_path / "missing", f"{tmp_path / 'missing' / 'config.yaml'} does not exist: not a finished training run"),
+    ]:
+        assert resolution.main(["--runs", f"{first}:{second}", "--img-size", "64", "--output", str(tmp_path / "t.md")]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.count("\n") == 0 and message in error
+    assert not (tmp_path / "t.md").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--runs", "a", "--attn", "linear"], "--attn: not with --runs"),
+    (["--runs", "a", "--run-root", "r"], "--run-root: not with --runs"),
+    (["--runs", "a", "--seeds", "0"], "--seeds: not with --runs"),
+    (["--runs", "a:"], "a run folder, or two joined by ':' (FIRST:SECOND), got 'a:'"),
+    (["--runs", "a", "a"], "--runs: each value once"),
+    (["--run-root", "r"], "either --run-root with --attn, or --runs"),
+    ([], "either --run-root with --attn, or --runs"),
+])
+def test_named_runs_and_a_run_root_are_refused_together_by_name(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        resolution.main([*flags, "--img-size", "64"])
+    assert message in capsys.readouterr().err
