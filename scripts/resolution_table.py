@@ -16,9 +16,10 @@ test):
   ``checkpoint_filter_fn``, bicubic), rotary angles (``rope``) taken from the larger grid as always. The
   same images on a larger grid: this compares rope with the interpolated absolute embedding.
 - **whole**: the same model on the test split drawn at ``--img-size`` (its config with only the image size
-  changed): for a generated dataset larger canvases, their objects at the size they were trained at, and,
-  for a curriculum table, the images its second stage was tested on. For a dataset of files, the upsampled
-  images again.
+  changed): for a generated dataset the images its generator draws at that size (cluttered digits: larger
+  canvases, the digits at the size they were trained at; pathfinder: the same kind of scene at a larger scale,
+  strokes and markers included) and, for a curriculum table, the images its second stage was tested on. For a
+  dataset of files, the upsampled images again.
 - **tiled**: ``visattn.tiled.TiledViT`` over those images, with tiles of the size the model was trained at,
   overlapping by each ``--overlap`` (pixels), merged with ``--merge`` and pooled by the model's own head:
   what a user does with a model that exists only at the small size.
@@ -27,15 +28,16 @@ test):
 
 Beside them, from the runs' ``summary.json``: the test accuracy at the size the model was trained at, and
 that of its second stage (``seed<k>``, the same model trained on at ``--img-size``) where there is one.
-Accuracies are the median over ``--seeds`` with their range. A column that cannot be tested for a run (a
+Accuracies are the median over ``--seeds`` with their range (with ``--runs``, below, one run per row). A column that cannot be tested for a run (a
 model that cannot be built at the larger size) is one line on stderr, ``error`` in its cell and the reason in
 the JSON, and the exit status is 1; a run that is missing or unfinished, or a size its tiles cannot take,
 stops the script before anything is tested, with one line, exit status 2. Writes the markdown table
 (``--output``) and the same as JSON, with each column's seconds (the forward passes over the test split).
 
-Runs trained outside a table are named instead of a run root: ``--runs FIRST[:SECOND] ...``, each its own row
-(named by FIRST's path), FIRST tested as above and SECOND, if given, a finished run of the same model trained
-on at ``--img-size``:
+Runs trained outside a table are named instead of a run root: ``--runs FIRST[:SECOND] ...``, one row per run
+(named by FIRST's path, with the seed it was trained with), FIRST tested as above and SECOND, if given, a
+finished run at ``--img-size`` that started from FIRST's weights (``--initial-checkpoint``), for the last
+column:
 
     python scripts/resolution_table.py --runs runs/pf64-easy-softmax:runs/pf128-easy-softmax --img-size 128 \\
         --overlap 0 32 --output pathfinder-resolution.md
@@ -130,7 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attn", nargs="+", metavar="ROW", help="rows, as scripts/accuracy_table.py takes them (with --run-root)")
     parser.add_argument("--seeds", nargs="+", type=int, help="the seeds of the runs (with --run-root; default: 0)")
     parser.add_argument("--runs", nargs="+", type=run_pair, metavar="FIRST[:SECOND]",
-                        help="instead of --run-root: finished runs, each a row, and the runs that trained them on at --img-size")
+                        help="instead of --run-root and --attn: finished runs, one row each, and the runs that "
+                             "trained them on at --img-size")
     parser.add_argument("--img-size", type=int, required=True, metavar="PX", help="the larger (square) image size to test at")
     parser.add_argument("--overlap", nargs="+", type=int, default=[0], metavar="PX",
                         help="overlaps of neighbouring tiles in pixels, one tiled column each (default: 0)")
@@ -139,9 +142,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", default="resolution_table.md", help="the markdown table; .json beside it")
     args = parser.parse_args(argv)
     if args.runs is not None:
-        for flag, value in (("--run-root", args.run_root), ("--attn", args.attn), ("--seeds", args.seeds)):
+        for flag, value, why in (("--run-root", args.run_root, "give one or the other"),
+                                 ("--attn", args.attn, "give one or the other"),
+                                 ("--seeds", args.seeds, "each run has the seed it was trained with")):
             if value is not None:
-                parser.error(f"{flag}: not with --runs (each run is its own row, trained with its own seed)")
+                parser.error(f"{flag}: not with --runs ({why})")
+        firsts = [str(Path(first).resolve()) for first, _ in args.runs]
+        twice = sorted({str(first) for (first, _), key in zip(args.runs, firsts) if firsts.count(key) > 1})
+        if twice:
+            parser.error(f"--runs: {', '.join(twice)} named more than once (each FIRST once)")
     elif args.run_root is None or args.attn is None:
         parser.error("either --run-root with --attn, or --runs")
     else:
@@ -155,7 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"{flag}: must be >= 1, got {value}")
     if min(args.overlap) < 0:
         parser.error(f"--overlap: pixels >= 0, got {min(args.overlap)}")
-    for flag, values in (("--overlap", args.overlap), ("--seeds", args.seeds or []), ("--runs", args.runs or [])):
+    for flag, values in (("--overlap", args.overlap), ("--seeds", args.seeds or [])):
         if len(set(values)) != len(values):
             parser.error(f"{flag}: each value once, got {' '.join(map(str, values))}")
     if not args.output.endswith(".md"):
@@ -165,10 +174,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_pair(word: str) -> tuple[Path, Path | None]:
     """``FIRST[:SECOND]`` -> (FIRST, SECOND or None)."""
-    first, _, second = word.partition(":")
-    if not first or (_ and not second):
-        raise argparse.ArgumentTypeError(f"a run folder, or two joined by ':' (FIRST:SECOND), got {word!r}")
-    return Path(first), Path(second) if second else None
+    parts = word.split(":")
+    if len(parts) > 2 or not all(parts):
+        raise argparse.ArgumentTypeError(f"a run folder, or two joined by one ':' (FIRST:SECOND), got {word!r}")
+    return Path(parts[0]), Path(parts[1]) if len(parts) == 2 else None
 
 
 def read_run(row: str, seed: int, run_dir: Path) -> FinishedRun:
@@ -314,18 +323,33 @@ def table_stages(run_root: Path, rows: list[Row], seeds: list[int]) -> list[Fini
     return stages
 
 
+def _same_path(a: str | Path, b: str | Path) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
 def named_stages(runs: list[tuple[Path, Path | None]], img_size: int) -> list[FinishedRun]:
-    """Each run of ``--runs`` as a row named by its path, with the seed it was trained with and its second stage,
-    which must be a finished run at ``img_size`` (ValueError, one line naming it, otherwise)."""
+    """Each run of ``--runs`` as a row named by its path, with the seed it was trained with and its second stage:
+    a finished run at ``img_size`` that started from the first's weights (its ``initial_checkpoint`` is the
+    first's folder, or the folder the first recorded as its ``run_dir``). ValueError, one line naming the run,
+    otherwise."""
     stages = []
     for first, second in runs:
         stage = read_run(str(first), 0, first)
+        stage = replace(stage, seed=stage.config.seed, second_stage=second)
         if second is not None:
-            trained = read_run(str(first), 0, second).config.image_hw
-            if trained != (img_size, img_size):
-                raise ValueError(f"--runs: {second} was trained at {trained[0]}x{trained[1]} px, not at --img-size "
-                                 f"{img_size}: not a second stage of {first} at that size")
-        stages.append(replace(stage, seed=stage.config.seed, second_stage=second))
+            try:
+                config = read_run(str(first), stage.seed, second).config
+            except ValueError as error:
+                raise ValueError(f"--runs: second stage of {first}: {error}") from None
+            if config.image_hw != (img_size, img_size):
+                raise ValueError(f"--runs: {second} was trained at {config.image_hw[0]}x{config.image_hw[1]} px, not at "
+                                 f"--img-size {img_size}: not a second stage of {first} at that size")
+            start = config.initial_checkpoint
+            own_names = [first] + ([stage.config.run_dir] if stage.config.run_dir else [])
+            if start is None or not any(_same_path(start, name) for name in own_names):
+                raise ValueError(f"--runs: {second} starts from {start or 'no checkpoint'}, not from {first}: "
+                                 f"not a second stage of it")
+        stages.append(stage)
     return stages
 
 
@@ -356,7 +380,10 @@ def _size(hw: tuple[int, int]) -> str:
     return f"{hw[0]} px" if hw[0] == hw[1] else f"{hw[0]}x{hw[1]} px"
 
 
-def markdown(evaluations: list[Evaluation], rows: list[str], overlaps: list[int], img_size: int, command: str) -> str:
+def markdown(evaluations: list[Evaluation], rows: list[str], overlaps: list[int], img_size: int, command: str,
+             named_runs: bool = False) -> str:
+    """The table: a row per table row, its accuracies the median [min–max] over its seeds; or, with
+    ``named_runs``, a row per run of ``--runs`` with its seed."""
     small = "/".join(_size(hw) for hw in sorted({tuple(e.trained_hw) for e in evaluations}))
     heads = {
         TRAINED: f"test at {small} (trained there)",
@@ -367,20 +394,22 @@ def markdown(evaluations: list[Evaluation], rows: list[str], overlaps: list[int]
         SECOND_STAGE: f"second stage (trained on at {img_size} px)",
     }
     keys = columns(overlaps)
+    per_row = "one run per row" if named_runs else "median [min–max] over seeds"
     lines = [
-        f"Test accuracy at {img_size} px of models trained at {small}, median [min–max] over seeds; "
+        f"Test accuracy at {img_size} px of models trained at {small}, {per_row}; "
         f"the {img_size} px test set is the dataset's test split at {img_size} px (a generated dataset drawn "
         f"at that size, a dataset of files the upsampled images).",
         "",
         f"Command: `{command}`",
         "",
-        "| attention | seeds | " + " | ".join(heads[key] for key in keys) + " |",
+        ("| run | seed | " if named_runs else "| attention | seeds | ") + " | ".join(heads[key] for key in keys) + " |",
         "|---|---:|" + "---:|" * len(keys),
     ]
     for row in rows:
         mine = [evaluation for evaluation in evaluations if evaluation.row == row]
         cells = [_cell([e.accuracy.get(key) for e in mine], any(key in e.errors for e in mine)) for key in keys]
-        lines.append(f"| {row} | {len(mine)} | " + " | ".join(cells) + " |")
+        seeds = mine[0].seed if named_runs else len(mine)
+        lines.append(f"| {row} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -406,10 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{stage.row} seed {stage.seed}: {shown}", flush=True)
         for column, reason in evaluation.errors.items():
             print(f"error: {stage.row} seed {stage.seed}, {column}: {reason}", file=sys.stderr, flush=True)
-    for stage, evaluation in zip(stages, evaluations):  # read last: a second stage may finish meanwhile
+    for stage, evaluation in zip(stages, evaluations):  # read last: a table's second stage may finish meanwhile
         evaluation.accuracy[SECOND_STAGE] = second_stage_accuracy(stage, args.img_size)
     rows = [row.label for row in args.rows] if args.runs is None else [stage.row for stage in stages]
-    text = markdown(evaluations, rows, args.overlap, args.img_size, command)
+    text = markdown(evaluations, rows, args.overlap, args.img_size, command, named_runs=args.runs is not None)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)

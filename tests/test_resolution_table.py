@@ -200,18 +200,21 @@ def test_bad_flags_are_refused_by_name(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def _finished_run(run_dir: Path, img_size: int, seed: int, test_acc: float) -> Path:
-    """The files resolution_table reads of a finished run (no weights: nothing is tested here)."""
+def _finished_run(run_dir: Path, img_size: int, seed: int, test_acc: float, start: Path | None = None) -> Path:
+    """The files resolution_table reads of a finished run (no weights: nothing is tested here); ``start``: the
+    run it started from."""
     run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(f"img_size: {img_size}\npatch_size: 4\nseed: {seed}\n")
+    checkpoint = f"initial_checkpoint: {start}\n" if start else ""
+    (run_dir / "config.yaml").write_text(f"img_size: {img_size}\npatch_size: 4\nseed: {seed}\n{checkpoint}")
     (run_dir / "summary.json").write_text(json.dumps({"test_acc": test_acc}))
-    (run_dir / "model.json").write_text(json.dumps({"model": "visattn_vit_tiny_patch16", "kwargs": {"img_size": img_size, "num_classes": 2}}))
+    (run_dir / "model.json").write_text(json.dumps({"model": "visattn_vit_tiny_patch16",
+                                                    "kwargs": {"img_size": img_size, "num_classes": 2}}))
     return run_dir
 
 
 def test_named_runs_are_rows_by_path_with_their_own_seed_and_the_second_stage_they_name(tmp_path):
     first = _finished_run(tmp_path / "pf32-linear", 32, seed=3, test_acc=0.8)
-    second = _finished_run(tmp_path / "pf64-linear", 64, seed=3, test_acc=0.6)
+    second = _finished_run(tmp_path / "pf64-linear", 64, seed=3, test_acc=0.6, start=first)
     alone = _finished_run(tmp_path / "pf32-softmax", 32, seed=1, test_acc=0.7)
     stages = resolution.named_stages([(first, second), (alone, None)], img_size=64)
     assert [(stage.row, stage.seed, stage.second_stage) for stage in stages] == [
@@ -219,12 +222,40 @@ def test_named_runs_are_rows_by_path_with_their_own_seed_and_the_second_stage_th
     assert [resolution.second_stage_accuracy(stage, 64) for stage in stages] == [0.6, None]
 
 
-def test_a_named_second_stage_not_at_the_larger_size_or_unfinished_is_one_line_naming_it(tmp_path, capsys):
+def test_a_table_of_named_runs_has_a_row_and_the_seed_of_each_run(tmp_path, monkeypatch, capsys):
+    first = _finished_run(tmp_path / "pf32-linear", 32, seed=3, test_acc=0.8)
+    second = _finished_run(tmp_path / "pf64-linear", 64, seed=3, test_acc=0.6, start=first)
+    alone = _finished_run(tmp_path / "pf32-softmax", 32, seed=1, test_acc=0.7)
+
+    def evaluate(stage, img_size, overlaps, merge, batch_size, cache):  # every tested column at 50%
+        evaluation = resolution.Evaluation(stage.row, stage.seed, str(stage.run_dir), stage.config.image_hw)
+        evaluation.accuracy = {resolution.TRAINED: stage.summary["test_acc"], **dict.fromkeys(
+            [resolution.UPSAMPLED, resolution.WHOLE, resolution.tiled_column(0), resolution.MOST_CONFIDENT], 0.5)}
+        return evaluation
+
+    monkeypatch.setattr(resolution, "evaluate", evaluate)
+    output = tmp_path / "t.md"
+    assert resolution.main(["--runs", f"{first}:{second}", str(alone), "--img-size", "64", "--output", str(output)]) == 0
+    text = output.read_text()
+    assert "one run per row" in text and "| run | seed |" in text
+    assert f"| {first} | 3 | 80.00% | 50.00% | 50.00% | 50.00% | 50.00% | 60.00% |" in text
+    assert f"| {alone} | 1 | 70.00% | 50.00% | 50.00% | 50.00% | 50.00% | – |" in text
+    runs = json.loads(output.with_suffix(".json").read_text())["runs"]
+    assert [(run["row"], run["seed"], run["accuracy"]["second stage"]) for run in runs] == [
+        (str(first), 3, 0.6), (str(alone), 1, None)]
+
+
+def test_a_named_second_stage_that_is_not_one_is_one_line_naming_it(tmp_path, capsys):
     first = _finished_run(tmp_path / "pf32-linear", 32, seed=0, test_acc=0.8)
-    other = _finished_run(tmp_path / "pf48-linear", 48, seed=0, test_acc=0.6)
+    other_size = _finished_run(tmp_path / "pf48-linear", 48, seed=0, test_acc=0.6, start=first)
+    other_start = _finished_run(tmp_path / "pf64-scratch", 64, seed=0, test_acc=0.6)
+    elsewhere = _finished_run(tmp_path / "pf64-elsewhere", 64, seed=0, test_acc=0.6, start=other_size)
     for second, message in [
-        (other, f"--runs: {other} was trained at 48x48 px, not at --img-size 64: not a second stage of {first}"),
-        (tmp_path / "missing", f"{tmp_path / 'missing' / 'config.yaml'} does not exist: not a finished training run"),
+        (other_size, f"--runs: {other_size} was trained at 48x48 px, not at --img-size 64: not a second stage of {first}"),
+        (other_start, f"--runs: {other_start} starts from no checkpoint, not from {first}: not a second stage of it"),
+        (elsewhere, f"--runs: {elsewhere} starts from {other_size}, not from {first}: not a second stage of it"),
+        (tmp_path / "missing", f"--runs: second stage of {first}: {tmp_path / 'missing' / 'config.yaml'} does not exist: "
+                               "not a finished training run"),
     ]:
         assert resolution.main(["--runs", f"{first}:{second}", "--img-size", "64", "--output", str(tmp_path / "t.md")]) == 2
         error = capsys.readouterr().err.strip()
@@ -233,11 +264,12 @@ def test_a_named_second_stage_not_at_the_larger_size_or_unfinished_is_one_line_n
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--runs", "a", "--attn", "linear"], "--attn: not with --runs"),
-    (["--runs", "a", "--run-root", "r"], "--run-root: not with --runs"),
-    (["--runs", "a", "--seeds", "0"], "--seeds: not with --runs"),
-    (["--runs", "a:"], "a run folder, or two joined by ':' (FIRST:SECOND), got 'a:'"),
-    (["--runs", "a", "a"], "--runs: each value once"),
+    (["--runs", "a", "--attn", "linear"], "--attn: not with --runs (give one or the other)"),
+    (["--runs", "a", "--run-root", "r"], "--run-root: not with --runs (give one or the other)"),
+    (["--runs", "a", "--seeds", "0"], "--seeds: not with --runs (each run has the seed it was trained with)"),
+    (["--runs", "a:"], "a run folder, or two joined by one ':' (FIRST:SECOND), got 'a:'"),
+    (["--runs", "a:b:c"], "a run folder, or two joined by one ':' (FIRST:SECOND), got 'a:b:c'"),
+    (["--runs", "a", "./a:b", "c"], "--runs: a named more than once (each FIRST once)"),
     (["--run-root", "r"], "either --run-root with --attn, or --runs"),
     ([], "either --run-root with --attn, or --runs"),
 ])
