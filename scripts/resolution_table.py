@@ -26,18 +26,19 @@ test):
 - **most confident tile**: the same tiles (the largest overlap), each classified alone, and each image given
   the class of its tile with the highest probability: the vote for an object that fills one tile.
 
-Beside them, from the runs' ``summary.json``: the test accuracy at the size the model was trained at, and
-that of its second stage (``seed<k>``, the same model trained on at ``--img-size``) where there is one.
-Accuracies are the median over ``--seeds`` with their range (with ``--runs``, below, one run per row). A column that cannot be tested for a run (a
-model that cannot be built at the larger size) is one line on stderr, ``error`` in its cell and the reason in
-the JSON, and the exit status is 1; a run that is missing or unfinished, or a size its tiles cannot take,
-stops the script before anything is tested, with one line, exit status 2. Writes the markdown table
-(``--output``) and the same as JSON, with each column's seconds (the forward passes over the test split).
+Beside them, from the runs' ``summary.json``: the test accuracy at the size the model was trained at, and that
+of its second stage (``seed<k>``, the same model trained on at ``--img-size``) where there is one. Accuracies
+are the median over ``--seeds`` with their range (``--runs``, below: one run per row). A column that cannot be
+tested for a run (a model that cannot be built at the larger size) is one line on stderr, ``error`` in its
+cell and the reason in the JSON, and the exit status is 1; a run that is missing or unfinished, or a size its
+tiles cannot take, stops the script before anything is tested, with one line, exit status 2. Writes the
+markdown table (``--output``) and the same as JSON, with each column's seconds (the forward passes over the
+test split).
 
 Runs trained outside a table are named instead of a run root: ``--runs FIRST[:SECOND] ...``, one row per run
 (named by FIRST's path, with the seed it was trained with), FIRST tested as above and SECOND, if given, a
-finished run at ``--img-size`` that started from FIRST's weights (``--initial-checkpoint``), for the last
-column:
+finished run at ``--img-size`` of the same model and data that started from FIRST's weights
+(``--initial-checkpoint``), for the last column:
 
     python scripts/resolution_table.py --runs runs/pf64-easy-softmax:runs/pf128-easy-softmax --img-size 128 \\
         --overlap 0 32 --output pathfinder-resolution.md
@@ -147,10 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  ("--seeds", args.seeds, "each run has the seed it was trained with")):
             if value is not None:
                 parser.error(f"{flag}: not with --runs ({why})")
-        firsts = [str(Path(first).resolve()) for first, _ in args.runs]
-        twice = sorted({str(first) for (first, _), key in zip(args.runs, firsts) if firsts.count(key) > 1})
-        if twice:
-            parser.error(f"--runs: {', '.join(twice)} named more than once (each FIRST once)")
+        named: dict[Path, Path] = {}  # a run's resolved folder -> the spelling first given
+        for folder in [first for first, _ in args.runs] + [second for _, second in args.runs if second is not None]:
+            same = named.setdefault(folder.resolve(), folder)
+            if same is not folder:
+                parser.error(f"--runs: {same} and {folder} name the same run; accepted: each run once, as a FIRST "
+                             f"or as a SECOND")
     elif args.run_root is None or args.attn is None:
         parser.error("either --run-root with --attn, or --runs")
     else:
@@ -323,32 +326,51 @@ def table_stages(run_root: Path, rows: list[Row], seeds: list[int]) -> list[Fini
     return stages
 
 
-def _same_path(a: str | Path, b: str | Path) -> bool:
-    return Path(a).resolve() == Path(b).resolve()
+# What a second stage must share with its first: the model and the data, all but the image size.
+SAME_IN_BOTH_STAGES = ("model", "attn", "attn_kwargs", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio",
+                       "global_pool", "class_token", "model_kwargs", "dataset", "dataset_kwargs")
+
+
+def _inside(path: str | Path, folder: str | Path) -> bool:
+    """Whether ``path`` is ``folder`` or a file under it (both resolved)."""
+    path, folder = Path(path).resolve(), Path(folder).resolve()
+    return path == folder or folder in path.parents
+
+
+def check_second_stage(first: FinishedRun, second: FinishedRun, img_size: int) -> None:
+    """ValueError, one line, unless ``second`` is ``first``'s model trained on at ``img_size``: trained at that
+    size with the same model and data, from a checkpoint in ``first``'s folder or, where that checkpoint no
+    longer exists (``first`` renamed since), in the folder ``first`` recorded as its ``run_dir``."""
+    trained = second.config.image_hw
+    if trained != (img_size, img_size):
+        raise ValueError(f"--runs: {second.run_dir} was trained at {trained[0]}x{trained[1]} px, not at --img-size "
+                         f"{img_size}: not a second stage of {first.run_dir} at that size")
+    start = second.config.initial_checkpoint
+    recorded = first.config.run_dir
+    if start is None or not (_inside(start, first.run_dir) if Path(start).exists()
+                             else recorded is not None and _inside(start, recorded)):
+        also = f" or the folder it recorded as its run_dir ({recorded})" if recorded else ""
+        raise ValueError(f"--runs: {second.run_dir} starts from {start or 'no checkpoint'}, not from {first.run_dir}"
+                         f"{also}; accepted: a run trained with --initial-checkpoint {first.run_dir}")
+    differ = [name for name in SAME_IN_BOTH_STAGES if getattr(first.config, name) != getattr(second.config, name)]
+    if differ:
+        raise ValueError(f"--runs: {second.run_dir} differs from {first.run_dir} in {', '.join(differ)}; accepted: "
+                         f"the same model and data at another image size")
 
 
 def named_stages(runs: list[tuple[Path, Path | None]], img_size: int) -> list[FinishedRun]:
-    """Each run of ``--runs`` as a row named by its path, with the seed it was trained with and its second stage:
-    a finished run at ``img_size`` that started from the first's weights (its ``initial_checkpoint`` is the
-    first's folder, or the folder the first recorded as its ``run_dir``). ValueError, one line naming the run,
-    otherwise."""
+    """Each run of ``--runs`` as a row named by its path, with the seed it was trained with and its second
+    stage, checked by :func:`check_second_stage`. ValueError, one line naming the run, otherwise."""
     stages = []
     for first, second in runs:
         stage = read_run(str(first), 0, first)
         stage = replace(stage, seed=stage.config.seed, second_stage=second)
         if second is not None:
             try:
-                config = read_run(str(first), stage.seed, second).config
-            except ValueError as error:
+                stage_two = read_run(str(first), stage.seed, second)
+            except (ValueError, OSError) as error:
                 raise ValueError(f"--runs: second stage of {first}: {error}") from None
-            if config.image_hw != (img_size, img_size):
-                raise ValueError(f"--runs: {second} was trained at {config.image_hw[0]}x{config.image_hw[1]} px, not at "
-                                 f"--img-size {img_size}: not a second stage of {first} at that size")
-            start = config.initial_checkpoint
-            own_names = [first] + ([stage.config.run_dir] if stage.config.run_dir else [])
-            if start is None or not any(_same_path(start, name) for name in own_names):
-                raise ValueError(f"--runs: {second} starts from {start or 'no checkpoint'}, not from {first}: "
-                                 f"not a second stage of it")
+            check_second_stage(stage, stage_two, img_size)
         stages.append(stage)
     return stages
 

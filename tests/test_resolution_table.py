@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from visattn.models import create_model
 from visattn.predict import load_trained_model
@@ -200,12 +201,15 @@ def test_bad_flags_are_refused_by_name(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def _finished_run(run_dir: Path, img_size: int, seed: int, test_acc: float, start: Path | None = None) -> Path:
+def _finished_run(run_dir: Path, img_size: int, seed: int, test_acc: float, start: Path | None = None,
+                  **config: object) -> Path:
     """The files resolution_table reads of a finished run (no weights: nothing is tested here); ``start``: the
-    run it started from."""
+    checkpoint it started from; ``config``: more fields of its config.yaml."""
     run_dir.mkdir(parents=True)
-    checkpoint = f"initial_checkpoint: {start}\n" if start else ""
-    (run_dir / "config.yaml").write_text(f"img_size: {img_size}\npatch_size: 4\nseed: {seed}\n{checkpoint}")
+    fields = {"img_size": img_size, "patch_size": 4, "seed": seed, "run_dir": str(run_dir), **config}
+    if start is not None:
+        fields["initial_checkpoint"] = str(start)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(fields))
     (run_dir / "summary.json").write_text(json.dumps({"test_acc": test_acc}))
     (run_dir / "model.json").write_text(json.dumps({"model": "visattn_vit_tiny_patch16",
                                                     "kwargs": {"img_size": img_size, "num_classes": 2}}))
@@ -215,17 +219,45 @@ def _finished_run(run_dir: Path, img_size: int, seed: int, test_acc: float, star
 def test_named_runs_are_rows_by_path_with_their_own_seed_and_the_second_stage_they_name(tmp_path):
     first = _finished_run(tmp_path / "pf32-linear", 32, seed=3, test_acc=0.8)
     second = _finished_run(tmp_path / "pf64-linear", 64, seed=3, test_acc=0.6, start=first)
-    alone = _finished_run(tmp_path / "pf32-softmax", 32, seed=1, test_acc=0.7)
+    alone = _finished_run(tmp_path / "pf32-softmax", 32, seed=2, test_acc=0.7)
     stages = resolution.named_stages([(first, second), (alone, None)], img_size=64)
     assert [(stage.row, stage.seed, stage.second_stage) for stage in stages] == [
-        (str(first), 3, second), (str(alone), 1, None)]
+        (str(first), 3, second), (str(alone), 2, None)]
     assert [resolution.second_stage_accuracy(stage, 64) for stage in stages] == [0.6, None]
+
+
+def test_a_second_stage_starts_from_its_first_however_the_path_is_spelled(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = _finished_run(tmp_path / "runs" / "pf32", 32, seed=0, test_acc=0.8)
+    (tmp_path / "link").symlink_to(tmp_path / "runs")
+    (first / "model_best.safetensors").write_bytes(b"")
+    starts = [Path("runs/pf32"), Path("runs/pf32/"), first, Path("link/pf32"), first / "model_best.safetensors"]
+    for number, start in enumerate(starts):
+        second = _finished_run(tmp_path / f"second{number}", 64, seed=0, test_acc=0.6, start=start)
+        for spelled in (first, Path("runs/pf32"), Path("link/pf32")):
+            [stage] = resolution.named_stages([(spelled, second)], img_size=64)
+            assert resolution.second_stage_accuracy(stage, 64) == 0.6, (start, spelled)
+
+
+def test_a_renamed_first_is_found_by_the_folder_it_recorded_and_only_where_that_checkpoint_is_gone(tmp_path):
+    trained_as = tmp_path / "pf32-old-name"
+    first = _finished_run(trained_as, 32, seed=0, test_acc=0.8)
+    second = _finished_run(tmp_path / "pf64", 64, seed=0, test_acc=0.6, start=trained_as)
+    first = first.rename(tmp_path / "pf32")  # its config still records run_dir: .../pf32-old-name
+    [stage] = resolution.named_stages([(first, second)], img_size=64)
+    assert stage.second_stage == second
+    # another run now under the old name: the checkpoint exists, and it is not the first's
+    _finished_run(trained_as, 32, seed=0, test_acc=0.5)
+    with pytest.raises(ValueError, match=re.escape(f"--runs: {second} starts from {trained_as}, not from {first} or the "
+                                                   f"folder it recorded as its run_dir ({trained_as}); accepted: a run "
+                                                   f"trained with --initial-checkpoint {first}")):
+        resolution.named_stages([(first, second)], img_size=64)
 
 
 def test_a_table_of_named_runs_has_a_row_and_the_seed_of_each_run(tmp_path, monkeypatch, capsys):
     first = _finished_run(tmp_path / "pf32-linear", 32, seed=3, test_acc=0.8)
     second = _finished_run(tmp_path / "pf64-linear", 64, seed=3, test_acc=0.6, start=first)
-    alone = _finished_run(tmp_path / "pf32-softmax", 32, seed=1, test_acc=0.7)
+    alone = _finished_run(tmp_path / "pf32-softmax", 32, seed=2, test_acc=0.7)
 
     def evaluate(stage, img_size, overlaps, merge, batch_size, cache):  # every tested column at 50%
         evaluation = resolution.Evaluation(stage.row, stage.seed, str(stage.run_dir), stage.config.image_hw)
@@ -239,27 +271,38 @@ def test_a_table_of_named_runs_has_a_row_and_the_seed_of_each_run(tmp_path, monk
     text = output.read_text()
     assert "one run per row" in text and "| run | seed |" in text
     assert f"| {first} | 3 | 80.00% | 50.00% | 50.00% | 50.00% | 50.00% | 60.00% |" in text
-    assert f"| {alone} | 1 | 70.00% | 50.00% | 50.00% | 50.00% | 50.00% | – |" in text
+    assert f"| {alone} | 2 | 70.00% | 50.00% | 50.00% | 50.00% | 50.00% | – |" in text
     runs = json.loads(output.with_suffix(".json").read_text())["runs"]
     assert [(run["row"], run["seed"], run["accuracy"]["second stage"]) for run in runs] == [
-        (str(first), 3, 0.6), (str(alone), 1, None)]
+        (str(first), 3, 0.6), (str(alone), 2, None)]
 
 
 def test_a_named_second_stage_that_is_not_one_is_one_line_naming_it(tmp_path, capsys):
     first = _finished_run(tmp_path / "pf32-linear", 32, seed=0, test_acc=0.8)
     other_size = _finished_run(tmp_path / "pf48-linear", 48, seed=0, test_acc=0.6, start=first)
-    other_start = _finished_run(tmp_path / "pf64-scratch", 64, seed=0, test_acc=0.6)
+    scratch = _finished_run(tmp_path / "pf64-scratch", 64, seed=0, test_acc=0.6)
     elsewhere = _finished_run(tmp_path / "pf64-elsewhere", 64, seed=0, test_acc=0.6, start=other_size)
+    other_model = _finished_run(tmp_path / "pf64-other", 64, seed=0, test_acc=0.6, start=first, patch_size=8, attn="linear")
+    no_model_file = _finished_run(tmp_path / "pf64-no-model-file", 64, seed=0, test_acc=0.6, start=first)
+    (no_model_file / "model.json").unlink()
+    bad_config = _finished_run(tmp_path / "pf64-bad-config", 64, seed=0, test_acc=0.6, start=first)
+    (bad_config / "config.yaml").write_text("img_size: 64\nno_such_option: 1\n")
+    recorded = f"or the folder it recorded as its run_dir ({first})"
     for second, message in [
         (other_size, f"--runs: {other_size} was trained at 48x48 px, not at --img-size 64: not a second stage of {first}"),
-        (other_start, f"--runs: {other_start} starts from no checkpoint, not from {first}: not a second stage of it"),
-        (elsewhere, f"--runs: {elsewhere} starts from {other_size}, not from {first}: not a second stage of it"),
+        (scratch, f"--runs: {scratch} starts from no checkpoint, not from {first} {recorded}; accepted: a run trained "
+                  f"with --initial-checkpoint {first}"),
+        (elsewhere, f"--runs: {elsewhere} starts from {other_size}, not from {first} {recorded}"),
+        (other_model, f"--runs: {other_model} differs from {first} in attn, patch_size; accepted: the same model and "
+                      "data at another image size"),
         (tmp_path / "missing", f"--runs: second stage of {first}: {tmp_path / 'missing' / 'config.yaml'} does not exist: "
                                "not a finished training run"),
+        (no_model_file, f"--runs: second stage of {first}: {no_model_file / 'model.json'} does not exist"),
+        (bad_config, "no_such_option"),
     ]:
         assert resolution.main(["--runs", f"{first}:{second}", "--img-size", "64", "--output", str(tmp_path / "t.md")]) == 2
         error = capsys.readouterr().err.strip()
-        assert error.count("\n") == 0 and message in error
+        assert error.count("\n") == 0 and message in error, error
     assert not (tmp_path / "t.md").exists()
 
 
@@ -269,7 +312,10 @@ def test_a_named_second_stage_that_is_not_one_is_one_line_naming_it(tmp_path, ca
     (["--runs", "a", "--seeds", "0"], "--seeds: not with --runs (each run has the seed it was trained with)"),
     (["--runs", "a:"], "a run folder, or two joined by one ':' (FIRST:SECOND), got 'a:'"),
     (["--runs", "a:b:c"], "a run folder, or two joined by one ':' (FIRST:SECOND), got 'a:b:c'"),
-    (["--runs", "a", "./a:b", "c"], "--runs: a named more than once (each FIRST once)"),
+    (["--runs", "a", f"{Path('a').resolve()}:b", "c"], f"--runs: a and {Path('a').resolve()} name the same run; accepted: "
+                                                       "each run once, as a FIRST or as a SECOND"),
+    (["--runs", "a:b", "c:b"], "--runs: b and b name the same run"),
+    (["--runs", "a:c", "c"], "--runs: c and c name the same run"),
     (["--run-root", "r"], "either --run-root with --attn, or --runs"),
     ([], "either --run-root with --attn, or --runs"),
 ])
