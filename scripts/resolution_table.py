@@ -333,8 +333,7 @@ SAME_IN_BOTH_STAGES = ("model", "attn", "attn_kwargs", "patch_size", "embed_dim"
 
 def _inside(path: str | Path, folder: str | Path) -> bool:
     """Whether ``path`` is ``folder`` or a file under it (both resolved)."""
-    path, folder = Path(path).resolve(), Path(folder).resolve()
-    return path == folder or folder in path.parents
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
 
 
 def check_second_stage(first: FinishedRun, second: FinishedRun, img_size: int) -> None:
