@@ -1,8 +1,8 @@
 """The layering of the package: every module imports, imports flow one way, no cycles, and the layers-only
 install needs none of the training or benchmark dependencies.
 
-Levels, lowest first: (visattn._moved) <- ops <- layers <- models <- tiled <- predict <- {train, bench} <- deprecated
-aliases. A module may import its own room and the rooms below it; ``train`` and ``bench`` never import each other.
+Levels, lowest first: ops <- layers <- models <- tiled <- predict <- {train, bench}. A module may import its own
+room and the rooms below it; ``train`` and ``bench`` never import each other.
 """
 from __future__ import annotations
 
@@ -19,12 +19,8 @@ import visattn
 PACKAGE_DIR = Path(visattn.__file__).parent
 REPO = PACKAGE_DIR.parent
 
-# Top-level modules kept for one release so that old import paths keep working; they import upward on purpose.
-DEPRECATED_ALIASES = {"visattn.auto", "visattn.checkpoint", "visattn.data", "visattn.flops", "visattn.run_log", "visattn.train_config"}
-
 # (room, level) by module-name prefix; the longest matching prefix wins.
 ROOMS = {
-    "visattn._moved": ("moved-name helpers", -1),  # imports nothing of visattn; serves old names in every room
     "visattn.ops": ("ops", 0),
     "visattn.layers": ("layers", 1),
     "visattn.models": ("models", 2),
@@ -52,8 +48,6 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
 
 
 def _room(module: str) -> tuple[str, int]:
-    if module in DEPRECATED_ALIASES:
-        return "deprecated", 6
     prefix = max((p for p in ROOMS if module == p or module.startswith(p + ".")), key=len)
     return ROOMS[prefix]
 
@@ -105,7 +99,7 @@ def test_imports_flow_one_way(module):
         if target not in MODULES:
             continue
         target_room, target_level = _room(target)
-        assert target_level < level or target_room == room or level == 6, (
+        assert target_level < level or target_room == room, (
             f"{module}:{line} imports {target}: {room} (level {level}) may not import {target_room} (level {target_level})"
         )
 
@@ -139,7 +133,7 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_every_module_imports_in_a_fresh_interpreter():
-    names = sorted(m for m in MODULES if m not in DEPRECATED_ALIASES)
+    names = sorted(MODULES)
     code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in names)
     result = _run_python(code)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -166,79 +160,3 @@ def test_core_dependencies_leave_training_and_benchmark_to_extras():
     assert any(dep.startswith("accelerate") for dep in extras["train"])
     assert any(dep.startswith("matplotlib") for dep in extras["bench"])
 
-
-@pytest.mark.parametrize(
-    "old, new, name",
-    [
-        ("visattn.auto", "visattn.models.auto", "select_attention"),
-        ("visattn.checkpoint", "visattn.predict", "load_trained_model"),
-        ("visattn.checkpoint", "visattn.train.checkpoint", "save_checkpoint"),
-        ("visattn.train_config", "visattn.train.config", "TrainConfig"),
-        ("visattn.train_config", "visattn.train.cli", "parse_args"),
-        ("visattn.data", "visattn.train.data", "load_splits"),
-        ("visattn.data", "visattn.train.augment", "check_auto_augment"),
-        ("visattn.flops", "visattn.bench.flops", "estimate_memory"),
-        ("visattn.flops", "visattn.layers.cost", "MixingMemory"),
-        ("visattn.run_log", "visattn.train.run_log", "write_summary"),
-    ],
-)
-def test_old_module_paths_still_work_with_a_deprecation_warning(old, new, name):
-    code = (
-        "import importlib, warnings\n"
-        f"new = getattr(importlib.import_module({new!r}), {name!r})\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always', DeprecationWarning)\n"
-        f"    assert getattr(importlib.import_module({old!r}), {name!r}) is new\n"
-        "print([str(w.message) for w in caught if w.category is DeprecationWarning])\n"
-    )
-    result = _run_python(code)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"{old} moved to" in result.stdout
-
-
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        ("visattn.ops.linear_step", "visattn.ops.linear_attn_step"),
-        ("visattn.ops.linear_reference", "visattn.ops.naive_linear_attn"),
-        ("visattn.ops.axial_packed", "visattn.ops.packed_axial_attn"),
-        ("visattn.bench.Case", "visattn.bench.sweep.Case"),
-        ("visattn.bench.fit_exponent", "visattn.bench.report.fit_exponent"),
-    ],
-)
-def test_old_names_still_resolve_with_a_deprecation_warning(old, new):
-    (old_module, old_name), (new_module, new_name) = old.rsplit(".", 1), new.rsplit(".", 1)
-    code = (
-        "import importlib, warnings\n"
-        "warnings.simplefilter('error', DeprecationWarning)\n"
-        f"old_module = importlib.import_module({old_module!r})\n"
-        "try:\n"
-        f"    getattr(old_module, {old_name!r})\n"
-        "except DeprecationWarning as warning:\n"
-        "    print(warning)\n"
-        "warnings.simplefilter('ignore', DeprecationWarning)\n"
-        f"assert getattr(old_module, {old_name!r}) is getattr(importlib.import_module({new_module!r}), {new_name!r})\n"
-    )
-    result = _run_python(code)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"{old} moved to {new}" in result.stdout
-
-
-@pytest.mark.parametrize("old", ["visattn.auto", "visattn.checkpoint", "visattn.run_log"])
-def test_the_deprecation_is_shown_by_default_at_the_importing_line(old):
-    # Python shows a DeprecationWarning by default only when it is blamed on __main__.
-    result = _run_python(f"import {old}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"<string>:1: DeprecationWarning: {old} moved to" in result.stderr
-
-
-def test_the_old_checkpoint_path_loads_trained_models_without_training_dependencies():
-    code = (
-        "import sys\n"
-        "sys.modules.update(accelerate=None, matplotlib=None, sklearn=None)  # as if not installed\n"
-        "from visattn.checkpoint import load_trained_model\n"
-        "import visattn.predict\n"
-        "assert load_trained_model is visattn.predict.load_trained_model\n"
-    )
-    result = _run_python(code)
-    assert result.returncode == 0, result.stderr[-3000:]

@@ -13,11 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 
 _DOTTED = r"\bvisattn(?:\.[A-Za-z_]\w*)+"
-# `visattn.a.b` (a module, or attributes of one) and `from visattn.a import b, c` as the README writes them; the
-# section on old paths names them on purpose, and they resolve with a DeprecationWarning.
-_OLD_NAMES_SECTION = README.split("### Old module paths and names")[1].split("\n### ")[0]
-OLD = sorted(set(re.findall(_DOTTED, _OLD_NAMES_SECTION)))
-DOTTED = sorted(set(re.findall(_DOTTED, README)) - set(OLD))
+# `visattn.a.b` (a module, or attributes of one) and `from visattn.a import b, c` as the README writes them.
+DOTTED = sorted(set(re.findall(_DOTTED, README)))
 FROM_IMPORTS = sorted(
     {(module, name.strip()) for module, names in re.findall(r"from (visattn[\w.]*) import ([\w, ]+)", README) for name in names.split(",")}
 )
@@ -39,18 +36,12 @@ def _resolve(dotted: str) -> object:
 
 
 def test_the_readme_names_import_paths():
-    assert len(DOTTED) > 5 and len(OLD) > 5 and FROM_IMPORTS and FILES
+    assert len(DOTTED) > 5 and FROM_IMPORTS and FILES
 
 
 @pytest.mark.filterwarnings("error::DeprecationWarning")
 @pytest.mark.parametrize("dotted", DOTTED)
 def test_dotted_path_resolves(dotted):
-    _resolve(dotted)
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("dotted", OLD)
-def test_old_dotted_path_resolves(dotted):
     _resolve(dotted)
 
 
