@@ -1,8 +1,8 @@
 """The layering of the package: every module imports, imports flow one way, no cycles, and the layers-only
 install needs none of the training or benchmark dependencies.
 
-Levels, lowest first: ops <- layers <- models <- tiled <- predict <- {train, bench}. A module may import its own
-room and the rooms below it; ``train`` and ``bench`` never import each other.
+Levels, lowest first: ops <- layers <- models <- tiled <- predict <- {train, bench} <- experiments. A module may
+import its own room and the rooms below it; ``train`` and ``bench`` never import each other.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ ROOMS = {
     "visattn.predict": ("predict", 4),
     "visattn.train": ("train", 5),
     "visattn.bench": ("bench", 5),
+    "visattn.experiments": ("experiments", 6),  # grids of training runs: may import train and bench
 }
 # Optional dependencies a lazy import may keep optional; any other import inside a function is an error.
 OPTIONAL = {"matplotlib", "sklearn", "accelerate", "tensorboard"}
