@@ -13,7 +13,7 @@ import accelerate
 import torch
 import torch.nn as nn
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import DynamoBackend, ProjectConfiguration, TorchDynamoPlugin, broadcast_object_list, parse_flag_from_env
+from accelerate.utils import DynamoBackend, ProjectConfiguration, broadcast_object_list, parse_flag_from_env
 from timm.data import Mixup
 from timm.optim import create_optimizer_v2, param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
@@ -54,13 +54,15 @@ def check_sharding() -> None:
         )
 
 
+# What ``accelerate launch`` exports to the script: its --dynamo_backend ("NO" when none was chosen).
+LAUNCHER_DYNAMO = "ACCELERATE_DYNAMO_BACKEND"
+
+
 def build_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
     """The run's Accelerator. ``config.mixed_precision`` is already the one that applies
-    (:func:`visattn.train.cli.choose_mixed_precision`). ``--compile`` goes through accelerate's dynamo plugin,
-    not a torch.compile call of our own: one path whether it is asked here or by ``accelerate launch
-    --dynamo_backend``, compiled by ``prepare`` around the DDP wrapper, and ``unwrap_model`` (the saved weights)
-    strips it. Without ``--compile`` the launcher's choice stands. Batches reach the device with non-blocking
-    copies, from pinned memory on CUDA (:func:`build_loaders`)."""
+    (:func:`visattn.train.cli.choose_mixed_precision`). accelerate never compiles: :func:`compile_model` does,
+    for ``--compile`` and for the launcher's ``--dynamo_backend`` alike. Batches reach the device with
+    non-blocking copies, from pinned memory on CUDA (:func:`build_loaders`)."""
     check_sharding()
     return Accelerator(
         cpu=launched_without_accelerator(),
@@ -69,16 +71,30 @@ def build_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
         log_with=config.log_with or None,
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed, non_blocking=True),
-        dynamo_plugin=TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR) if config.compile else None,
+        dynamo_backend=DynamoBackend.NO,
     )
 
 
-def compile_line(accelerator: Accelerator, config: TrainConfig) -> str:
-    """The start-up line saying whether the model is compiled, and who asked."""
-    backend = accelerator.state.dynamo_plugin.backend
-    if backend == DynamoBackend.NO:
-        return "torch.compile: off"
-    return f"torch.compile: {backend.value.lower()} ({'--compile' if config.compile else 'accelerate launch --dynamo_backend'})"
+def compile_backend(config: TrainConfig) -> tuple[str | None, str]:
+    """(the torch.compile backend, or None for none; the start-up line saying which and who asked): the
+    launcher's ``--dynamo_backend``, or inductor for ``--compile`` without one."""
+    launcher = os.environ.get(LAUNCHER_DYNAMO, DynamoBackend.NO.value).lower()
+    if launcher != "no":
+        return launcher, f"torch.compile: {launcher} (accelerate launch --dynamo_backend)"
+    if config.compile:
+        return "inductor", "torch.compile: inductor (--compile)"
+    return None, "torch.compile: off"
+
+
+def compile_model(prepared: nn.Module, backend: str) -> None:
+    """torch.compile ``prepared`` (the model as ``accelerator.prepare`` returned it: DDP's wrapper on several
+    processes, so that dynamo splits the graph at its gradient buckets) in place, with ``nn.Module.compile``.
+
+    In place, not accelerate's dynamo plugin nor ``torch.compile(model)``: those wrap the model in an
+    ``OptimizedModule``, whose weights accelerate 1.15's ``get_state_dict`` saves as ``_orig_mod.*``, so the
+    run's weights would not load into an uncompiled model (visattn.predict, a resume without --compile).
+    """
+    prepared.compile(backend=backend)
 
 
 def load_data(accelerator: Accelerator, config: TrainConfig, download: bool) -> tuple[DataSplits, ImageCheck]:

@@ -149,8 +149,8 @@ class TrainConfig:
     )
     compile: bool = field(
         default=False,
-        metadata=_help("torch.compile the model (inductor, through accelerate's dynamo plugin, as accelerate launch "
-                       "--dynamo_backend inductor does); the first steps, and those at a new image size, compile"),
+        metadata=_help("torch.compile the model in place (inductor; accelerate launch --dynamo_backend takes the same "
+                       "path with its backend); the first steps, and those at a new image size, compile"),
     )
     grad_checkpointing: bool = field(
         default=False,
