@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -92,7 +93,7 @@ def test_a_launcher_bf16_run_trains_in_bf16_on_cpu_and_records_it(monkeypatch, t
     assert "mixed precision: bf16 (accelerate launch --mixed_precision, over the recipe's no)" in out
     assert set(logits_dtypes) == {torch.bfloat16}  # accelerate's CPU autocast around the prepared model's forward
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["mixed_precision"] == "bf16"
-    assert re.search(r"^loader alone: [\d.]+ img/s per process over 2 batches of 16 to cpu ", out, re.MULTILINE), out
+    assert re.search(r"^loader alone: [\d.]+ img/s per process over 2 batches of 16 to \S+ ", out, re.MULTILINE), out
     (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert f", {run_log.significant(record['images_per_s'])} img/s, " in out
 
@@ -140,17 +141,17 @@ def test_grad_checkpointing_gives_the_same_loss_and_gradients(drop_path_rate):
                               "num_heads": 2, "drop_path_rate": drop_path_rate, "grad_checkpointing": checkpointing})
         torch.manual_seed(0)
         model = build.build_model(config, num_classes=10).train()
-        calls = []
-        model.blocks[0].register_forward_hook(lambda *_: calls.append(1))
         images, targets = torch.randn(4, 3, 16, 16), torch.tensor([0, 3, 5, 9])
+        saved = []  # what autograd keeps for backward outside the checkpointed blocks
         torch.manual_seed(1)  # the drop-path draws
-        loss = torch.nn.functional.cross_entropy(model(images), targets)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            loss = torch.nn.functional.cross_entropy(model(images), targets)
         loss.backward()
-        return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, len(calls)
+        return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, sum(saved)
 
-    loss, grads, forwards = loss_and_grads(False)
-    loss_ckpt, grads_ckpt, forwards_ckpt = loss_and_grads(True)
-    assert (forwards, forwards_ckpt) == (1, 2)  # checkpointed: the block ran again in backward
+    loss, grads, saved = loss_and_grads(False)
+    loss_ckpt, grads_ckpt, saved_ckpt = loss_and_grads(True)
+    assert saved_ckpt < saved / 4  # the blocks' activations are recomputed, not kept
     assert torch.equal(loss, loss_ckpt)
     assert grads.keys() == grads_ckpt.keys()
     for name in grads:
@@ -165,7 +166,9 @@ def test_a_training_step_reads_nothing_back_from_the_device(monkeypatch, tmp_pat
     original_item = torch.Tensor.item
 
     def item(tensor):
-        reads.append(1)
+        # the loop's own reads (torch's optimizers read their step count, a CPU tensor, by design)
+        if sys._getframe(1).f_globals.get("__name__") == loop.__name__:
+            reads.append(sys._getframe(1).f_code.co_name)
         return original_item(tensor)
 
     original_train_epoch = loop.train_epoch
@@ -183,7 +186,8 @@ def test_a_training_step_reads_nothing_back_from_the_device(monkeypatch, tmp_pat
     assert train.main(args) == 0
     steps = 12
     # two refreshes (the non-finite watch and the loss), then the watch and the (loss, images) totals at the end
-    assert len(reads) == 2 * 2 + 1 + 2 < steps
+    assert reads == ["check", "train_epoch"] * 2 + ["check", "train_epoch", "train_epoch"]
+    assert len(reads) < steps
 
 
 # -- the input pipeline -----------------------------------------------------------------------------------
