@@ -26,7 +26,7 @@ from visattn.train import run_log
 from visattn.train.attention import resolve_attention
 from visattn.train.build import (
     build_accelerator, build_criterion, build_loaders, build_mixup, build_model, build_optimizer, build_scheduler,
-    default_cpu_threads, load_data, process_state,
+    compile_backend, compile_model, default_cpu_threads, load_data, measure_loader, process_state, worker_notice,
 )
 from visattn.train.cli import RunOptions, resolve_config
 from visattn.train.config import ConfigError, TrainConfig
@@ -79,13 +79,28 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     if val_loader is None:
         accelerator.print(f"{config.dataset} has no validation split: the best epoch is chosen on the test split, "
                           "and the last epoch's test accuracy is reported")
+    loader_speed = measure_loader(train_loader, options.measure_loader, accelerator.device) if options.measure_loader else None
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    backend, compile_note = compile_backend(config)
+    if backend is not None:
+        compile_model(model, backend)
     selection_split, selection_loader = ("test", eval_loader) if val_loader is None else ("val", accelerator.prepare(val_loader))
     overview = run_overview(
         config, splits, accelerator.unwrap_model(model), accelerator.num_processes, len(train_loader), auto, run_dir,
         accelerator.device, image_check,
     )
     accelerator.print("\n".join(overview))
+    accelerator.print(options.precision_note)
+    checkpointing = "; gradient checkpointing: each block recomputed in backward" if config.grad_checkpointing else ""
+    accelerator.print(compile_note + checkpointing)
+    for line in worker_notice(config.num_workers):
+        accelerator.print(line)
+    if loader_speed is not None:
+        accelerator.print(
+            f"loader alone: {run_log.significant(loader_speed.images_per_s)} img/s per process over "
+            f"{loader_speed.batches} batches of {config.batch_size} to {accelerator.device} (no model; the epochs "
+            "print the steps' img/s)"
+        )
     initial_eval = None
     if initial is not None:
         initial_eval = evaluate(accelerator, model, selection_loader)  # what the converted weights do before training

@@ -547,7 +547,7 @@ def test_nonfinite_update_stops_the_run_naming_update_and_last_good_checkpoint(f
     assert train.main([*TINY, "--run-dir", str(run_dir), "--save-every", "2"]) == 2
     last_good = run_dir / "checkpoints" / "step_00000004"
     assert _error_line(capsys.readouterr().err) == (
-        f"error: update 5 (epoch 1): {what} is not finite; stopped before it could reach the weights; last good "
+        f"error: update 5 (epoch 1): {what} is not finite; stopped before anything of it was saved; last good "
         f"checkpoint: {last_good}. Lower --lr or set --clip-grad, or pass --skip-nonfinite to skip such updates"
     )
     assert _all_checkpoint_weights_finite(run_dir) == ["step_00000002", "step_00000004"]

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import math
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import accelerate
 import torch
 import torch.nn as nn
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import ProjectConfiguration, broadcast_object_list, parse_flag_from_env
+from accelerate.utils import DynamoBackend, ProjectConfiguration, broadcast_object_list, parse_flag_from_env
 from timm.data import Mixup
 from timm.optim import create_optimizer_v2, param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 from visattn.models import create_model
 from visattn.train.config import ConfigError, TrainConfig
@@ -52,7 +54,15 @@ def check_sharding() -> None:
         )
 
 
+# What ``accelerate launch`` exports to the script: its --dynamo_backend ("NO" when none was chosen).
+LAUNCHER_DYNAMO = "ACCELERATE_DYNAMO_BACKEND"
+
+
 def build_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
+    """The run's Accelerator. ``config.mixed_precision`` is already the one that applies
+    (:func:`visattn.train.cli.choose_mixed_precision`). accelerate never compiles: :func:`compile_model` does,
+    for ``--compile`` and for the launcher's ``--dynamo_backend`` alike. Batches reach the device with
+    non-blocking copies, from pinned memory on CUDA (:func:`build_loaders`)."""
     check_sharding()
     return Accelerator(
         cpu=launched_without_accelerator(),
@@ -60,8 +70,31 @@ def build_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
         gradient_accumulation_steps=config.grad_accum_steps,
         log_with=config.log_with or None,
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed, non_blocking=True),
+        dynamo_backend=DynamoBackend.NO,
     )
+
+
+def compile_backend(config: TrainConfig) -> tuple[str | None, str]:
+    """(the torch.compile backend, or None for none; the start-up line saying which and who asked): the
+    launcher's ``--dynamo_backend``, or inductor for ``--compile`` without one."""
+    launcher = os.environ.get(LAUNCHER_DYNAMO, DynamoBackend.NO.value).lower()
+    if launcher != "no":
+        return launcher, f"torch.compile: {launcher} (accelerate launch --dynamo_backend)"
+    if config.compile:
+        return "inductor", "torch.compile: inductor (--compile)"
+    return None, "torch.compile: off"
+
+
+def compile_model(prepared: nn.Module, backend: str) -> None:
+    """torch.compile ``prepared`` (the model as ``accelerator.prepare`` returned it: DDP's wrapper on several
+    processes, so that dynamo splits the graph at its gradient buckets) in place, with ``nn.Module.compile``.
+
+    In place, not accelerate's dynamo plugin nor ``torch.compile(model)``: those wrap the model in an
+    ``OptimizedModule``, whose weights accelerate 1.15's ``get_state_dict`` saves as ``_orig_mod.*``, so the
+    run's weights would not load into an uncompiled model (visattn.predict, a resume without --compile).
+    """
+    prepared.compile(backend=backend)
 
 
 def load_data(accelerator: Accelerator, config: TrainConfig, download: bool) -> tuple[DataSplits, ImageCheck]:
@@ -98,9 +131,11 @@ def build_model(config: TrainConfig, num_classes: int) -> nn.Module:
     """The model with freshly initialised weights (a timm ViT name is built by timm and converted);
     :func:`visattn.train.initial.load_initial_weights` then loads the run's first weights, if any."""
     try:
-        return create_model(config.model, **config.model_kwargs_for_timm(num_classes))
+        model = create_model(config.model, **config.model_kwargs_for_timm(num_classes))
     except (ValueError, TypeError) as error:
         raise ConfigError(f"model {config.model!r} cannot be built from this config: {error}") from None
+    model.set_grad_checkpointing(config.grad_checkpointing)
+    return model
 
 
 def no_weight_decay_names(model: nn.Module) -> set[str]:
@@ -163,8 +198,11 @@ def build_loaders(
         )
     train_set = TransformedDataset(splits.train, build_transform(config, splits, training=True), seed=config.seed)
     eval_transform = build_transform(config, splits, training=False)
-    # Own generators, so that creating a loader iterator never draws from the process RNG.
-    common = dict(batch_size=config.batch_size, num_workers=config.num_workers, pin_memory=torch.cuda.is_available())
+    # Own generators, so that creating a loader iterator never draws from the process RNG. Workers live as
+    # long as the loader: an epoch does not wait for them to start (the dataset's epoch is shared with them).
+    workers = loader_workers(config.num_workers)
+    common = dict(batch_size=config.batch_size, num_workers=workers, persistent_workers=workers > 0,
+                  pin_memory=torch.cuda.is_available())
     train_loader = DataLoader(
         train_set, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(config.seed), **common
     )
@@ -176,6 +214,63 @@ def build_loaders(
         for split in (splits.val, splits.eval)
     )
     return train_loader, val_loader, eval_loader
+
+
+def available_cpus() -> int:
+    """The CPU cores this process may run on (its affinity, where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def loader_workers(asked: int) -> int:
+    """``num_workers`` capped at this machine's cores: more workers than cores only wait on each other
+    (and make torch warn on every loader)."""
+    return min(asked, available_cpus())
+
+
+def worker_notice(asked: int) -> list[str]:
+    """One line when :func:`loader_workers` caps the recipe's ``num_workers``, else none."""
+    workers = loader_workers(asked)
+    if workers == asked:
+        return []
+    return [f"notice: num_workers {asked} capped at {workers}, the CPU cores this process can use"]
+
+
+@dataclass(frozen=True)
+class LoaderSpeed:
+    """What :func:`measure_loader` timed: ``images`` in ``batches`` batches over ``seconds``."""
+
+    images: int
+    batches: int
+    seconds: float
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else float("nan")
+
+
+def measure_loader(loader: DataLoader, batches: int, device: torch.device) -> LoaderSpeed:
+    """How fast the input pipeline alone delivers: ``batches`` batches of ``loader``'s dataset, drawn in a
+    shuffled order by a loader of the same batch size, workers and pinning, each copied to ``device`` as
+    training copies it (non-blocking), with no model. The first batch, which waits for the workers to start,
+    is not timed; fewer batches are timed when the split has fewer."""
+    probe = DataLoader(
+        loader.dataset, batch_size=loader.batch_size, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+        sampler=RandomSampler(loader.dataset, generator=torch.Generator().manual_seed(0)), drop_last=True,
+    )
+    images = timed = 0
+    batch_iter = iter(probe)
+    next(batch_iter)
+    started = time.perf_counter()
+    for images_batch, targets in batch_iter:
+        images_batch.to(device, non_blocking=True)
+        targets.to(device, non_blocking=True)
+        images += len(images_batch)
+        timed += 1
+        if timed == batches:
+            break
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)  # the last copies have landed
+    return LoaderSpeed(images=images, batches=timed, seconds=time.perf_counter() - started)
 
 
 def build_mixup(config: TrainConfig, num_classes: int) -> Mixup | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,9 @@ from visattn.layers.options import parse_key_values
 from visattn.models import TIMM_ATTENTION
 from visattn.train.attention import resolve_attention
 from visattn.train.rundir import CONFIG_FILE, is_run_dir
-from visattn.train.config import FIELD_TYPES, ConfigError, TrainConfig, changed_keys, check_keys, make_config, read_yaml
+from visattn.train.config import (
+    FIELD_TYPES, MIXED_PRECISION, ConfigError, TrainConfig, changed_keys, check_keys, make_config, read_yaml,
+)
 from visattn.train.fieldtypes import accepts, accepts_scalar, alternatives, type_name
 
 
@@ -34,6 +37,12 @@ class RunOptions:
     resume_from: str | None = None
     overwrite: bool = False
     download: bool = False
+    measure_loader: int = 0
+    precision_note: str = ""  # the start-up line: which mixed precision applies and why
+
+
+# What ``accelerate launch`` exports to the script: its --mixed_precision, or its config file's, else "no".
+LAUNCHER_PRECISION = "ACCELERATE_MIXED_PRECISION"
 
 
 def flag(key: str) -> str:
@@ -53,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="like --resume, from this checkpoint of --run-dir (a path or a name such as step_00000008)")
     run.add_argument("--overwrite", action="store_true", help="replace the previous run in --run-dir")
     run.add_argument("--download", action="store_true", help="download the dataset if it is not in --data-dir")
+    run.add_argument("--measure-loader", metavar="BATCHES",
+                     help="before training, time this many training batches pulled from the loader alone (no model) "
+                          "and print its images/s, to compare with the steps' images/s")
     recipe = parser.add_argument_group("recipe (every key of TrainConfig)")
     for f in dataclasses.fields(TrainConfig):
         annotation = FIELD_TYPES[f.name]
@@ -100,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, Any], dict[str,
         resume_from=resume_from,
         overwrite=namespace.pop("overwrite", False),
         download=namespace.pop("download", False),
+        measure_loader=_parse_count("--measure-loader", namespace.pop("measure_loader", "0")),
     )
     if options.resume and options.overwrite:
         resume = "--resume-from" if options.resume_from is not None else "--resume"
@@ -116,13 +129,35 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, RunOptio
     from_file, from_flags, options = parse_args(argv)
     config = make_config(from_file, from_flags)
     run_dir = config.resolved_run_dir
-    changes: list[str] = []
+    saved = None
     if options.resume and is_run_dir(run_dir):
         saved = make_config(read_yaml(run_dir / CONFIG_FILE))
         config = make_config(saved.to_dict(), from_file, from_flags)
-        changes = changed_keys(saved, _as_built(config))
+    config.mixed_precision, note = choose_mixed_precision(
+        config.mixed_precision, "mixed_precision" in from_flags, os.environ.get(LAUNCHER_PRECISION)
+    )
+    changes = [] if saved is None else changed_keys(saved, _as_built(config))
     config.run_dir = str(run_dir)
-    return config, options, changes
+    return config, dataclasses.replace(options, precision_note=note), changes
+
+
+def choose_mixed_precision(configured: str, from_flag: bool, launcher: str | None) -> tuple[str, str]:
+    """(mixed precision, the line saying why): train.py's own --mixed-precision wins; else the launcher's
+    (``launcher``: its environment variable, None outside ``accelerate launch``) over the config's; else the config's.
+
+    The launcher's "no" leaves the config's: ``accelerate launch`` exports "no" when nothing was chosen too,
+    so a bf16 recipe would otherwise train in fp32 under a plain ``accelerate launch``.
+    """
+    if from_flag:
+        return configured, f"mixed precision: {configured} (train.py --mixed-precision, over the launcher's and the recipe's)"
+    if launcher is not None and launcher not in MIXED_PRECISION:
+        raise ConfigError(f"{LAUNCHER_PRECISION}: {launcher!r} is not one of {', '.join(MIXED_PRECISION)}")
+    if launcher not in (None, "no"):
+        return launcher, f"mixed precision: {launcher} (accelerate launch --mixed_precision, over the recipe's {configured})"
+    if launcher == "no" and configured != "no":
+        return configured, (f"mixed precision: {configured} (the recipe's; accelerate launch's 'no', its default, "
+                            "leaves it: pass --mixed-precision no to train.py to turn it off)")
+    return configured, f"mixed precision: {configured} (the recipe's)"
 
 
 def _as_built(config: TrainConfig) -> TrainConfig:
@@ -130,6 +165,17 @@ def _as_built(config: TrainConfig) -> TrainConfig:
     resolved = copy.deepcopy(config)
     resolve_attention(resolved)
     return resolved
+
+
+def _parse_count(name: str, text: str) -> int:
+    """A run option's word as a whole number >= 0."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise ConfigError(f"{name}: expected int, got {text!r}") from None
+    if count < 0:
+        raise ConfigError(f"{name}: must be >= 0, got {count}")
+    return count
 
 
 def _parse_flag(key: str, raw: Any) -> Any:

@@ -69,7 +69,9 @@ class TrainConfig:
     max_train_samples: int | None = field(default=None, metadata=_help("train on a fixed random subset of this size"))
     max_eval_samples: int | None = field(default=None, metadata=_help("evaluate on a fixed random subset of this size"))
     num_workers: int = field(
-        default=0, metadata=_help("DataLoader worker processes (and threads of the image check before training)")
+        default=0,
+        metadata=_help("DataLoader worker processes (and threads of the image check before training), kept alive "
+                       "between epochs; at most this machine's CPU cores (a larger number is capped, with a notice)"),
     )
     skip_bad_images: bool = field(
         default=False,
@@ -139,7 +141,22 @@ class TrainConfig:
     mixup_switch_prob: float = field(default=0.5, metadata=_help("probability of cutmix instead of mixup when both are on"))
     # run
     seed: int = field(default=0, metadata=_help("seed of the weights, the data order and the augmentation"))
-    mixed_precision: str = field(default="no", metadata=_help(f"accelerate mixed precision: {', '.join(MIXED_PRECISION)}"))
+    mixed_precision: str = field(
+        default="no",
+        metadata=_help(f"accelerate mixed precision: {', '.join(MIXED_PRECISION)}; given on the command line it wins "
+                       "over accelerate launch --mixed_precision, which wins over a recipe's (its 'no', also the "
+                       "launcher's default, leaves the recipe's); config.yaml records the one that ran"),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=_help("torch.compile the model in place (inductor; accelerate launch --dynamo_backend takes the same "
+                       "path with its backend); the first steps, and those at a new image size, compile"),
+    )
+    grad_checkpointing: bool = field(
+        default=False,
+        metadata=_help("recompute each block's activations in backward instead of storing them (timm's "
+                       "set_grad_checkpointing): less memory for about one more forward per step; same loss and gradients"),
+    )
     run_dir: str | None = field(default=None, metadata=_help("where the run is written (none: runs/<dataset>-<attn>)"))
     save_every: int = field(
         default=0, metadata=_help("also checkpoint every this many optimizer updates (0: at epoch ends only)")

@@ -127,16 +127,22 @@ class TransformedDataset(Dataset):
 
     The transform runs with the Python, NumPy and torch CPU generators seeded for this sample and
     restored afterwards, so it neither depends on nor disturbs the process RNG (dropout, mixup).
+    The epoch lives in shared memory, so that the persistent workers of a DataLoader, each holding a copy
+    of the dataset from the first epoch, see every :meth:`set_epoch`.
     """
 
     def __init__(self, base: Dataset, transform: Callable[[Any], torch.Tensor], seed: int | None) -> None:
         self.base = base
         self.transform = transform
         self.seed = seed
-        self.epoch = 0
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self._epoch.fill_(epoch)
 
     def __len__(self) -> int:
         return len(self.base)

@@ -83,10 +83,11 @@ def _last_good_checkpoint(run_dir: Path) -> str:
     return f"last good checkpoint: {checkpoints[-1]}" if checkpoints else "no checkpoint written yet"
 
 
-def nonfinite_update(run: Training, loss_is_finite: torch.Tensor) -> bool:
+def nonfinite_update(run: Training, loss_is_finite: torch.Tensor) -> torch.Tensor:
     """Whether the update about to be applied has a non-finite loss (``loss_is_finite``: a bool tensor over
-    its micro-batches) or gradient, on any process. Under fp16 mixed precision the gradients are left to
-    accelerate's gradient scaler, which skips the steps whose scaled gradients overflow."""
+    its micro-batches) or gradient, on any process: a bool tensor on the device, left there (reading it waits
+    for the step). Under fp16 mixed precision the gradients are left to accelerate's gradient scaler, which
+    skips the steps whose scaled gradients overflow."""
     accelerator = run.accelerator
     bad = (~loss_is_finite).to(accelerator.device, torch.float32)
     if accelerator.scaler is None:
@@ -95,16 +96,38 @@ def nonfinite_update(run: Training, loss_is_finite: torch.Tensor) -> bool:
             bad = bad + (~torch.stack(torch._foreach_norm(grads)).isfinite()).any().float()
     if accelerator.num_processes > 1:
         bad = accelerator.reduce(bad, reduction="sum")
-    return bool(bad.item())
+    return bad > 0
 
 
-def refuse_nonfinite(run: Training, what: str, progress: tqdm) -> None:
+class NonfiniteWatch:
+    """The first non-finite update of an epoch, kept on the device so that no step waits for it, and read
+    (:meth:`check`) only where the run must know: at the progress bar's refresh, before a checkpoint, at the
+    epoch's end. An update with a non-finite loss or gradient does reach the weights in memory; the run then
+    stops at the next read, before anything of them is saved."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.update = torch.full((), -1, dtype=torch.int64, device=device)  # -1: none yet
+        self.loss_was_finite = torch.ones((), dtype=torch.bool, device=device)
+
+    def note(self, bad: torch.Tensor, update: int, loss_is_finite: torch.Tensor) -> None:
+        """Records update number ``update`` if ``bad`` (a device bool) and it is the first bad one."""
+        first = bad & (self.update < 0)
+        self.update = torch.where(first, update, self.update)
+        self.loss_was_finite = torch.where(first, loss_is_finite, self.loss_was_finite)
+
+    def check(self, run: Training, progress: tqdm) -> None:
+        """NonFiniteError naming the first bad update, if there was one."""
+        update = int(self.update.item())
+        if update >= 0:
+            refuse_nonfinite(run, update, "a gradient" if self.loss_was_finite.item() else "the loss", progress)
+
+
+def refuse_nonfinite(run: Training, update: int, what: str, progress: tqdm) -> None:
     """Stops the run, saying which update went wrong and where to resume from (below the closed progress bar)."""
     progress.close()
-    state = run.state
     raise NonFiniteError(
-        f"update {state['update'] + 1} (epoch {state['epoch'] + 1}): {what} is not finite; stopped before it could "
-        f"reach the weights; {_last_good_checkpoint(run.run_dir)}. Lower --lr or set --clip-grad, or pass "
+        f"update {update} (epoch {run.state['epoch'] + 1}): {what} is not finite; stopped before anything of it "
+        f"was saved; {_last_good_checkpoint(run.run_dir)}. Lower --lr or set --clip-grad, or pass "
         "--skip-nonfinite to skip such updates"
     )
 
@@ -125,13 +148,16 @@ def check_finite_weights(run: Training, progress: tqdm | None = None) -> None:
 def evaluate(accelerator: Accelerator, model: nn.Module, loader: DataLoader) -> dict[str, float]:
     """Loss and top-1 accuracy over the whole of ``loader``'s split, each sample counted once (gather_for_metrics)."""
     model.eval()
-    loss_sum = correct = count = 0.0
+    # summed on the device, read once at the end: no batch waits for the one before
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    correct = torch.zeros((), dtype=torch.int64, device=accelerator.device)
+    count = 0
     for images, targets in loader:
         logits, targets = accelerator.gather_for_metrics((model(images), targets))
-        loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
-        correct += (logits.argmax(dim=-1) == targets).sum().item()
+        loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum")
+        correct += (logits.argmax(dim=-1) == targets).sum()
         count += len(targets)
-    return dict(loss=loss_sum / count, acc=correct / count, samples=int(count))
+    return dict(loss=loss_sum.item() / count, acc=correct.item() / count, samples=count)
 
 
 @dataclass
@@ -181,6 +207,7 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
     # to ``sums`` once the update is applied
     loss_is_finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
     pending = torch.zeros_like(sums)
+    watch = NonfiniteWatch(accelerator.device)
     for batch_index, (images, targets) in enumerate(batches, start=skip):
         if run.mixup is not None:
             images, targets = run.mixup(images, targets)
@@ -188,9 +215,13 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
             loss = run.criterion(run.model(images), targets)
             accelerator.backward(loss)
             loss_is_finite &= loss.detach().isfinite()
-            skipped = accelerator.sync_gradients and nonfinite_update(run, loss_is_finite)
-            if skipped and not config.skip_nonfinite:
-                refuse_nonfinite(run, "a gradient" if loss_is_finite.item() else "the loss", progress)
+            skipped = False
+            if accelerator.sync_gradients:
+                bad = nonfinite_update(run, loss_is_finite)
+                if config.skip_nonfinite:
+                    skipped = bool(bad.item())  # skipping must know before the step: one wait per update
+                else:
+                    watch.note(bad, state["update"] + 1, loss_is_finite)
             if accelerator.sync_gradients and config.clip_grad is not None and not skipped:
                 accelerator.clip_grad_norm_(run.model.parameters(), config.clip_grad)
             if not skipped:
@@ -209,6 +240,7 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
         progress.update(1)
         if time.perf_counter() - shown >= POSTFIX_SECONDS or batch_index + 1 == len(loader):
             # by time, not every step: reading the loss waits for the device
+            watch.check(run, progress)
             progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{run.optimizer.param_groups[0]['lr']:.2e}")
             shown = time.perf_counter()
         if not accelerator.sync_gradients or skipped:
@@ -218,12 +250,14 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
         last_batch = batch_index + 1 == len(loader)  # the end-of-epoch checkpoint follows
         if config.save_every and state["update"] % config.save_every == 0 and not last_batch:
             train_time += time.perf_counter() - tick
+            watch.check(run, progress)
             totals = accelerator.reduce(sums, reduction="sum")
             state.update(batch=batch_index + 1, partial_loss_sum=totals[0].item(),
                          partial_samples=int(totals[1].item()), partial_train_time=train_time)
             check_finite_weights(run, progress)
             ckpt.save_checkpoint(accelerator, run.run_dir, state, config.keep_checkpoints)
             tick = time.perf_counter()
+    watch.check(run, progress)
     progress.close()
     train_time += time.perf_counter() - tick
     totals = accelerator.reduce(sums, reduction="sum")
@@ -247,7 +281,7 @@ def finish_epoch(run: Training, epoch: int, loss_sum: float, images: int, train_
     state["history"].append(record)
     accelerator.print(
         f"epoch {epoch + 1}: train loss {record['train_loss']:.4f}, {split} loss {scores['loss']:.4f}, "
-        f"{split} acc {100 * scores['acc']:.2f}%, {record['images_per_s']:.0f} img/s, lr {record['lr']:.2e}, "
+        f"{split} acc {100 * scores['acc']:.2f}%, {run_log.significant(record['images_per_s'])} img/s, lr {record['lr']:.2e}, "
         f"peak mem {peak_mib:.0f} MiB, {train_time:.1f} s training + {eval_time:.1f} s {split}"
     )
     check_finite_weights(run)
@@ -303,7 +337,7 @@ def finish_run(run: Training, already_finished: bool, seconds: float) -> dict[st
             run_log.write_summary(run_dir, summary)
     accelerator.print(
         f"test accuracy: {100 * summary['test_acc']:.2f}% ({selection_note(summary)}); "
-        f"{summary['images_per_s']:.0f} train img/s; run directory: {run_dir}"
+        f"{run_log.significant(summary['images_per_s'])} train img/s; run directory: {run_dir}"
     )
     if summary.get("skipped_updates"):
         accelerator.print(f"{summary['skipped_updates']} update(s) skipped for a non-finite loss or gradient")

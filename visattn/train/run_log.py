@@ -1,7 +1,8 @@
-"""Per-epoch metrics of a run: JSON lines, a PNG of the curves, and peak memory."""
+"""Per-epoch metrics of a run: JSON lines, a PNG of the curves, and peak memory; speeds as printed."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -15,6 +16,16 @@ from visattn.train.rundir import RunDirError, os_error_reason, unlink_quietly, w
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 SUMMARY_FILE = "summary.json"
+
+
+def significant(value: float, digits: int = 3) -> str:
+    """``value`` with ``digits`` significant digits and no exponent (0.0312, 12.3, 4570); whole numbers at least,
+    so a speed of thousands keeps its last digits (12345)."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:.0f}"
+    rounded = float(f"{value:.{digits - 1}e}")  # first, so that 99.96 counts as 100 (3 digits: "100")
+    decimals = digits - 1 - math.floor(math.log10(abs(rounded)))
+    return f"{value:.{max(decimals, 0)}f}"
 
 
 def reset_peak_memory(device: torch.device) -> None:
