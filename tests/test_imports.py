@@ -33,6 +33,7 @@ ROOMS = {
     "visattn.predict": ("predict", 4),
     "visattn.train": ("train", 5),
     "visattn.bench": ("bench", 5),
+    "visattn.experiments": ("experiments", 6),
 }
 # Optional dependencies a lazy import may keep optional; any other import inside a function is an error.
 OPTIONAL = {"matplotlib", "sklearn", "accelerate", "tensorboard"}
