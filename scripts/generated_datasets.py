@@ -20,16 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from visattn.train.generated import TASKS, pathfinder, store, task_options  # noqa: E402
+from visattn.train.generated import TASKS, pathfinder, store, task_options
 
 
 def cpu_seconds() -> float:

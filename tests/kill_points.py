@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-import train  # the script at the repository root, on sys.path as in tests/test_train.py
+import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.predict import LAST_WEIGHTS
 from visattn.train import checkpoint as ckpt
 from visattn.train import loop, run_log

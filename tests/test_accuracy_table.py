@@ -1,4 +1,4 @@
-"""scripts/accuracy_table.py: rows, the summary over seeds, the files it writes, reuse and resumption of runs;
+"""visattn.experiments.accuracy: rows, the summary over seeds, the files it writes, reuse and resumption of runs;
 and ``train.py --attn timm``, the table's reference, training timm's own attention."""
 from __future__ import annotations
 
@@ -6,28 +6,24 @@ import csv
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from timm.layers import Attention
 
+import train  # the script at the repository root, importable from there as pytest runs the tests
+from visattn.experiments import accuracy, execute, plan, report, summarise
 from visattn.layers import GridAttention
 from visattn.predict import load_trained_model
 from visattn.train.config import config_yaml
 
-from tests.helpers import REPO, TINY, load_script
-
-sys.path.insert(0, str(REPO))
-import train  # noqa: E402  (the script at the repository root)
-
-table = load_script("accuracy_table")
+from tests.helpers import REPO, TINY
 
 
 # -- rows -------------------------------------------------------------------------------------------------
 def test_rows_are_types_or_types_with_options():
-    rows = table.parse_rows(["timm,floor", "linear:dwconv_kernel=null,chunk_size=32", "neighborhood:kernel_size=5"])
+    rows = plan.parse_rows(["timm,floor", "linear:dwconv_kernel=null,chunk_size=32", "neighborhood:kernel_size=5"])
     assert [(row.attn, row.options) for row in rows] == [
         ("timm", {}), ("floor", {}), ("linear", {"dwconv_kernel": None, "chunk_size": 32}),
         ("neighborhood", {"kernel_size": 5}),
@@ -48,23 +44,23 @@ def test_rows_are_types_or_types_with_options():
 )
 def test_bad_rows_are_refused_by_name(words, message):
     with pytest.raises(ValueError) as caught:
-        table.parse_rows(words)
+        plan.parse_rows(words)
     assert message in str(caught.value)
 
 
 def test_flags_the_table_sets_cannot_come_after_the_separator(capsys):
     with pytest.raises(SystemExit):
-        table.parse_args(["--attn", "floor", "--", "--seed", "3"])
+        accuracy.parse_args(["--attn", "floor", "--", "--seed", "3"])
     assert "after --: --seed set by the table for each run" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        table.parse_args(["--attn", "floor", "--", "--resu"])  # --resume, abbreviated
+        accuracy.parse_args(["--attn", "floor", "--", "--resu"])  # --resume, abbreviated
     assert "after --: not train.py flags: --resu (python train.py --help lists them, in full)" in capsys.readouterr().err
 
 
 # -- the summary over seeds, the table and its files (synthetic runs) -----------------------------------------
 def synthetic_run(row: str, seed: int, test_acc: float | None, images_per_s: float = 100.0, status: str = "finished",
-                  val_accs: tuple[float, ...] = (0.5, 0.7)) -> table.Run:
-    run = table.Run(table.parse_rows([row])[0], seed, Path("runs") / row / f"seed{seed}", argv=[], status=status)
+                  val_accs: tuple[float, ...] = (0.5, 0.7)) -> plan.Run:
+    run = plan.Run(plan.parse_rows([row])[0], seed, Path("runs") / row / f"seed{seed}", argv=[], status=status)
     if status == "finished":
         run.history = [
             dict(epoch=epoch, val_acc=acc, train_time_s=10.0 * epoch, eval_time_s=1.0, train_images=1000)
@@ -76,7 +72,7 @@ def synthetic_run(row: str, seed: int, test_acc: float | None, images_per_s: flo
     return run
 
 
-def synthetic_runs() -> list[table.Run]:
+def synthetic_runs() -> list[plan.Run]:
     return [
         synthetic_run("timm", 0, 0.90, images_per_s=50), synthetic_run("timm", 1, 0.94, images_per_s=60),
         synthetic_run("timm", 2, 0.93, images_per_s=40),
@@ -89,29 +85,29 @@ def synthetic_runs() -> list[table.Run]:
 
 
 def recipe():
-    return table.expected_config(["--config", str(REPO / "configs" / "cluttered-digits.yaml")])
+    return plan.expected_config(["--config", str(REPO / "configs" / "cluttered-digits.yaml")])
 
 
 def test_images_per_second_keep_three_figures():
-    assert [table._rate(value) for value in (None, 1234.5, 123.4, 12.34, 1.234)] == ["—", "1,234", "123", "12.3", "1.23"]
+    assert [report._rate(value) for value in (None, 1234.5, 123.4, 12.34, 1.234)] == ["—", "1,234", "123", "12.3", "1.23"]
 
 
 def test_rows_sum_up_their_seeds_as_median_and_range():
     runs = synthetic_runs()
-    rows = table.parse_rows(["timm", "linear", "axial", "floor"])
-    timm, linear, axial, floor = table.summarize_rows(rows, runs)
+    rows = plan.parse_rows(["timm", "linear", "axial", "floor"])
+    timm, linear, axial, floor = summarise.summarize_rows(rows, runs)
     assert (timm.accs, timm.images_per_s, timm.peak_mem_mib, timm.status) == ([0.90, 0.94, 0.93], 50, 1001, "yes")
-    assert table.accuracy_cell(timm) == "93.00% [90.00–94.00] (3)"
+    assert report.accuracy_cell(timm) == "93.00% [90.00–94.00] (3)"
     assert timm.epoch_s == 16.0  # epochs of 10 + 1 and 20 + 1 seconds: median 16, the same on every seed
-    assert (table.accuracy_cell(linear), linear.images_per_s, linear.status) == ("90.00% [89.00–91.00] (2)", 110, "no: out of memory")
-    assert (table.accuracy_cell(axial), axial.status) == ("80.00% (1)", "failed")
-    assert (table.accuracy_cell(floor), floor.images_per_s, floor.status) == ("—", None, "not run yet")
+    assert (report.accuracy_cell(linear), linear.images_per_s, linear.status) == ("90.00% [89.00–91.00] (2)", 110, "no: out of memory")
+    assert (report.accuracy_cell(axial), axial.status) == ("80.00% (1)", "failed")
+    assert (report.accuracy_cell(floor), floor.images_per_s, floor.status) == ("—", None, "not run yet")
 
 
 def test_markdown_has_every_column_and_the_speedup_over_timm():
     runs = synthetic_runs()
-    results = table.summarize_rows(table.parse_rows(["timm", "linear", "axial", "floor"]), runs)
-    text = table.markdown(results, runs, recipe(), "python scripts/accuracy_table.py --seeds 0 1 2")
+    results = summarise.summarize_rows(plan.parse_rows(["timm", "linear", "axial", "floor"]), runs)
+    text = report.accuracy_markdown(results, runs, recipe(), "python -m visattn.experiments.accuracy --seeds 0 1 2")
     lines = text.splitlines()
     assert lines[0] == (
         "| attention | test accuracy, median [min–max] (seeds) | train images/s | s per epoch | peak memory (MiB) | "
@@ -121,15 +117,15 @@ def test_markdown_has_every_column_and_the_speedup_over_timm():
     assert lines[3] == "| linear | 90.00% [89.00–91.00] (2) | 110 | 16.0 | 1,000 | 2.20× | no: out of memory |"
     assert lines[4] == f"| axial | 80.00% (1) | 75.0 | 16.0 | 1,000 | 1.50× | failed (see `{Path('runs/axial/seed1.log')}`) |"
     assert lines[5] == "| floor | — | — | — | — | — | not run yet |"
-    assert "`python scripts/accuracy_table.py --seeds 0 1 2`: cluttered-digits at 128×128 px, patch 4 (32×32 grid" in text
+    assert "`python -m visattn.experiments.accuracy --seeds 0 1 2`: cluttered-digits at 128×128 px, patch 4 (32×32 grid" in text
     assert "seeds 0, 1, 2" in text and "peak resident set" in text
 
 
 def test_outputs_are_a_table_a_png_and_every_run_as_json_and_csv(tmp_path):
     runs = synthetic_runs()
-    results = table.summarize_rows(table.parse_rows(["timm", "linear", "axial", "floor"]), runs)
+    results = summarise.summarize_rows(plan.parse_rows(["timm", "linear", "axial", "floor"]), runs)
     output = tmp_path / "tables" / "cluttered.md"
-    text = table.write_outputs(output, results, runs, recipe(), "python scripts/accuracy_table.py")
+    text = report.write_accuracy(output, results, runs, recipe(), "python -m visattn.experiments.accuracy")
     assert output.read_text() == text
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads(output.with_suffix(".json").read_text())["runs"]
@@ -153,31 +149,31 @@ def test_outputs_are_a_table_a_png_and_every_run_as_json_and_csv(tmp_path):
     ],
 )
 def test_a_failed_run_says_whether_memory_ran_out(returncode, log, expected):
-    assert table.failure(returncode, log) == expected
+    assert execute.failure(returncode, log) == expected
 
 
 def test_eta_is_each_rows_mean_time_times_its_runs_left():
     runs = [synthetic_run(row, seed, None, status="not run") for row in ("timm", "floor") for seed in (0, 1, 2)]
-    assert table.eta_seconds(runs) is None
+    assert execute.eta_seconds(runs) is None
     runs[0].seconds, runs[3].seconds = 100.0, 20.0
-    assert table.eta_seconds(runs) == 2 * 100.0 + 2 * 20.0
+    assert execute.eta_seconds(runs) == 2 * 100.0 + 2 * 20.0
     runs[1].action = "reuse"  # finished before: nothing left to do
-    assert table.eta_seconds(runs) == 100.0 + 2 * 20.0
+    assert execute.eta_seconds(runs) == 100.0 + 2 * 20.0
 
 
 # -- reuse and resumption ---------------------------------------------------------------------------------
-def planned(tmp_path: Path, *extra: str) -> tuple[object, list[str], list[table.Run]]:
-    args, train_args = table.parse_args(
+def planned(tmp_path: Path, *extra: str) -> tuple[object, list[str], list[plan.Run]]:
+    args, train_args = accuracy.parse_args(
         ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
          "--output", str(tmp_path / "table.md"), *extra, "--", *TINY]
     )
-    return args, train_args, table.plan(args, train_args)
+    return args, train_args, plan.plan(accuracy.grid(args, train_args))
 
 
-def finish(run: table.Run, test_acc: float, config=None) -> None:
+def finish(run: plan.Run, test_acc: float, config=None) -> None:
     """Leave ``run`` as train.py leaves a finished run: its config, per-epoch records and summary."""
     run.run_dir.mkdir(parents=True)
-    (run.run_dir / "config.yaml").write_text(config_yaml(config or table.expected_config(run.argv)))
+    (run.run_dir / "config.yaml").write_text(config_yaml(config or plan.expected_config(run.argv)))
     record = dict(epoch=1, val_acc=0.5, train_time_s=2.0, eval_time_s=0.5, train_images=96)
     (run.run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
     (run.run_dir / "summary.json").write_text(json.dumps(
@@ -190,10 +186,10 @@ def test_finished_runs_of_the_same_config_are_reused_not_retrained(tmp_path, mon
     _, _, runs = planned(tmp_path)
     for index, run in enumerate(runs):
         finish(run, test_acc=0.5 + index / 100)
-    monkeypatch.setattr(table.subprocess, "run", lambda *a, **k: pytest.fail(f"trained again: {a}"))
+    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained again: {a}"))
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
             "--output", str(tmp_path / "table.md"), "--", *TINY]
-    assert table.main(argv) == 0
+    assert accuracy.main(argv) == 0
     assert "4 runs: 4 finished before, 0 to train" in capsys.readouterr().out
     text = (tmp_path / "table.md").read_text()
     assert "| timm | 51.00% [50.00–52.00] (2) | 48.0 | 2.5 | 800 | 1.00× | yes |" in text  # runs seed by seed
@@ -203,20 +199,20 @@ def test_finished_runs_of_the_same_config_are_reused_not_retrained(tmp_path, mon
 def test_a_changed_config_is_retrained_and_a_stopped_run_resumed(tmp_path):
     _, _, runs = planned(tmp_path)
     timm0, floor0, timm1, floor1 = runs  # seed by seed
-    other = table.expected_config(timm0.argv)
+    other = plan.expected_config(timm0.argv)
     other.lr = 0.5
     finish(timm0, 0.5, config=other)
-    assert table.choose_action(timm0, retrain=False) == ("train", "its config differs: lr: 0.5 -> 0.002")
-    bookkeeping = table.expected_config(timm1.argv)
+    assert execute.choose_action(timm0, retrain=False) == ("train", "its config differs: lr: 0.5 -> 0.002")
+    bookkeeping = plan.expected_config(timm1.argv)
     bookkeeping.num_workers, bookkeeping.run_dir = 3, "elsewhere"  # where and how a run is kept: still the same run
     finish(timm1, 0.5, config=bookkeeping)
-    assert table.choose_action(timm1, retrain=False) == ("reuse", "finished with this config")
-    assert table.choose_action(timm1, retrain=True) == ("train", "--retrain")
+    assert execute.choose_action(timm1, retrain=False) == ("reuse", "finished with this config")
+    assert execute.choose_action(timm1, retrain=True) == ("train", "--retrain")
     finish(floor0, 0.5)
     (floor0.run_dir / "summary.json").unlink()  # stopped mid-run: a checkpoint, no summary
     (floor0.run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)
-    assert table.choose_action(floor0, retrain=False)[0] == "resume"
-    assert table.choose_action(floor1, retrain=False) == ("train", "new")
+    assert execute.choose_action(floor0, retrain=False)[0] == "resume"
+    assert execute.choose_action(floor1, retrain=False) == ("train", "new")
 
 
 def test_each_run_is_its_own_train_py_process_resumed_or_overwritten(tmp_path, monkeypatch):
@@ -238,10 +234,10 @@ def test_each_run_is_its_own_train_py_process_resumed_or_overwritten(tmp_path, m
     finish(floor, 0.5)
     (floor.run_dir / "summary.json").unlink()
     (floor.run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)
-    monkeypatch.setattr(table.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute.subprocess, "run", fake_train)
     argv = ["--attn", "timm", "floor", "--seeds", "4", "--run-root", str(tmp_path / "runs"),
             "--output", str(tmp_path / "table.md"), "--", *TINY]
-    assert table.main(argv) == 0
+    assert accuracy.main(argv) == 0
     assert [command[1:] for command in commands] == [
         [str(REPO / "train.py"), "--config", str(REPO / "configs" / "digits.yaml"), *TINY, "--attn", "timm",
          "--seed", "4", "--run-dir", str(timm.run_dir), "--overwrite"],
@@ -254,9 +250,9 @@ def test_each_run_is_its_own_train_py_process_resumed_or_overwritten(tmp_path, m
 def test_a_rows_options_are_laid_over_the_recipes(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("attn_kwargs: {kernel_size: 5, tile_size: 4}\n")
-    args, train_args = table.parse_args(["--config", str(recipe), "--attn", "neighborhood:tile_size=8", "--", *TINY])
-    (run,) = table.plan(args, train_args)
-    assert table.expected_config(run.argv).attn_kwargs == {"kernel_size": 5, "tile_size": 8}
+    args, train_args = accuracy.parse_args(["--config", str(recipe), "--attn", "neighborhood:tile_size=8", "--", *TINY])
+    (run,) = plan.plan(accuracy.grid(args, train_args))
+    assert plan.expected_config(run.argv).attn_kwargs == {"kernel_size": 5, "tile_size": 8}
 
 
 # -- train.py --attn timm: the reference row ------------------------------------------------------------------
@@ -300,23 +296,23 @@ def test_attn_timm_is_for_every_block(tmp_path, capsys):
 )
 def test_a_bad_stage_is_refused_by_name(capsys, stage, message):
     with pytest.raises(SystemExit):
-        table.parse_args(["--attn", "floor", "--stage", stage])
+        accuracy.parse_args(["--attn", "floor", "--stage", stage])
     error = capsys.readouterr().err.splitlines()[-1]
     assert message in error and "usage:" not in error
 
 
 def test_a_stage_of_one_flag_word_is_the_stage_and_the_table_takes_no_abbreviation(capsys):
-    args, _ = table.parse_args(["--attn", "floor", "--stage", "--epochs=4", "--epochs", "2"])
+    args, _ = accuracy.parse_args(["--attn", "floor", "--stage", "--epochs=4", "--epochs", "2"])
     assert (args.stage_flags, args.epochs) == ([["--epochs=4"]], 2)
     with pytest.raises(SystemExit):
-        table.parse_args(["--attn", "floor", "--stag", "--epochs 4"])
+        accuracy.parse_args(["--attn", "floor", "--stag", "--epochs 4"])
     assert "unrecognized arguments: --stag" in capsys.readouterr().err
 
 
 def test_a_bad_flag_in_a_stage_stops_before_any_run(tmp_path, capsys):
     argv = ["--attn", "floor", "--run-root", str(tmp_path / "runs"), "--output", str(tmp_path / "table.md"),
             "--stage", "--epochs 1", "--stage", "--epochs two", "--", *TINY]
-    assert table.main(argv) == 2
+    assert accuracy.main(argv) == 2
     assert "in stage 2 (--stage --epochs two): --epochs: expected int, got 'two'" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
@@ -325,16 +321,16 @@ def test_each_stage_starts_from_the_one_before_with_its_own_flags(tmp_path):
     _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2", "--stage", "--epochs 3 --lr 0.01")
     last = runs[0]
     first, second = last.earlier
-    configs = [table.expected_config(run.argv) for run in (first, second, last)]
+    configs = [plan.expected_config(run.argv) for run in (first, second, last)]
     assert [run.run_dir.name for run in (first, second, last)] == ["seed0-stage1", "seed0-stage2", "seed0"]
     assert [(run.stage, run.last) for run in (first, second, last)] == [(1, False), (2, False), (3, True)]
     assert [(config.img_size, config.epochs) for config in configs] == [(8, 2), (16, 3), (16, 1)]
     assert [config.lr for config in configs] == [configs[0].lr, 0.01, configs[0].lr] and configs[0].lr != 0.01
     assert [config.initial_checkpoint for config in configs] == [None, str(first.run_dir), str(second.run_dir)]
     assert (second.previous, last.previous) == (first, second)
-    assert table.all_runs(runs)[:3] == [first, second, last]
-    assert table.run_name(second) == "timm seed 0 (stage 2)" and table.run_name(last) == "timm seed 0"
-    assert table.curriculum(runs) == (
+    assert plan.all_runs(runs)[:3] == [first, second, last]
+    assert plan.run_name(second) == "timm seed 0 (stage 2)" and plan.run_name(last) == "timm seed 0"
+    assert report.curriculum(runs) == (
         ", after 2 earlier stages (2 epochs at 8×8 px (2×2 grid); 3 epochs at 16×16 px (4×4 grid)), each from the "
         "weights of the one before, and this last stage from those of stage 2 (speed and memory: this last stage alone)"
     )
@@ -343,7 +339,7 @@ def test_each_stage_starts_from_the_one_before_with_its_own_flags(tmp_path):
 def test_the_note_names_an_earlier_stage_s_dataset_and_options_where_they_differ_from_the_last_one_s(tmp_path):
     other_dataset = "--dataset cluttered-digits --dataset-kwargs digit_size=8 clutter_size=2 --epochs 2"
     _, _, runs = planned(tmp_path, "--stage", other_dataset, "--stage", "--epochs 3")
-    assert table.curriculum(runs) == (
+    assert report.curriculum(runs) == (
         ", after 2 earlier stages (2 epochs at 16×16 px (4×4 grid) of cluttered-digits, dataset options "
         "{'digit_size': 8, 'clutter_size': 2}; 3 epochs at 16×16 px (4×4 grid)), each from the weights of the "
         "one before, and this last stage from those of stage 2 (speed and memory: this last stage alone)"
@@ -358,16 +354,16 @@ def test_a_failed_stage_stops_the_stages_after_it_and_names_its_log(tmp_path, mo
     def fake_train(command, **kwargs):
         run_dir = Path(command[command.index("--run-dir") + 1])
         commands.append(run_dir.relative_to(tmp_path / "runs"))
-        run = next(run for run in table.all_runs(runs) if run.run_dir == run_dir)
+        run = next(run for run in plan.all_runs(runs) if run.run_dir == run_dir)
         if run.row.attn == "floor" and run.stage == failing:
             return subprocess.CompletedProcess(command, 2)
         finish(run, 0.75)
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(table.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute.subprocess, "run", fake_train)
     argv = ["--attn", "timm", "floor", "--run-root", str(tmp_path / "runs"), "--output", str(tmp_path / "table.md"),
             "--stage", "--img-size 8 --epochs 2", "--stage", "--epochs 1", "--", *TINY]
-    assert table.main(argv) == 1
+    assert accuracy.main(argv) == 1
     floor_stages = ["floor/seed0-stage1", "floor/seed0-stage2"][:failing]
     assert commands == [Path(p) for p in ("timm/seed0-stage1", "timm/seed0-stage2", "timm/seed0", *floor_stages)]
     out = capsys.readouterr().out
@@ -385,26 +381,26 @@ def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tm
     timm0, floor0, _, _ = runs
     (first,) = timm0.earlier
     assert (first.run_dir, first.stage, timm0.stage) == (tmp_path / "runs" / "timm" / "seed0-stage1", 1, 2)
-    stage1_config, config = table.expected_config(first.argv), table.expected_config(timm0.argv)
+    stage1_config, config = plan.expected_config(first.argv), plan.expected_config(timm0.argv)
     assert (stage1_config.img_size, stage1_config.epochs, stage1_config.initial_checkpoint) == (8, 2, None)
     assert (config.img_size, config.epochs, config.initial_checkpoint) == (16, 1, str(first.run_dir))
-    assert table.all_runs(runs)[:4] == [first, timm0, floor0.previous, floor0]
+    assert plan.all_runs(runs)[:4] == [first, timm0, floor0.previous, floor0]
 
     commands = []
 
     def fake_train(command, **kwargs):
         commands.append(command)
         run_dir = Path(command[command.index("--run-dir") + 1])
-        run = next(run for run in table.all_runs(runs) if run.run_dir == run_dir)
+        run = next(run for run in plan.all_runs(runs) if run.run_dir == run_dir)
         if run.row.attn == "floor" and run.stage == 1:
             return subprocess.CompletedProcess(command, 2)  # the first stage fails: the second never starts
         finish(run, 0.25 if run.stage == 1 else 0.75)
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(table.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute.subprocess, "run", fake_train)
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
             "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
-    assert table.main(argv) == 1
+    assert accuracy.main(argv) == 1
     trained = [Path(command[command.index("--run-dir") + 1]).relative_to(tmp_path / "runs") for command in commands]
     assert trained == [Path(p) for p in ("timm/seed0-stage1", "timm/seed0", "floor/seed0-stage1",
                                          "timm/seed1-stage1", "timm/seed1", "floor/seed1-stage1")]
@@ -424,7 +420,7 @@ def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tm
 
 def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, monkeypatch, capsys):
     _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2")
-    for run in table.all_runs(runs):
+    for run in plan.all_runs(runs):
         finish(run, 0.5)
     timm0 = runs[0]
     (timm0.previous.run_dir / "summary.json").unlink()
@@ -439,10 +435,10 @@ def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, 
             mem_kind="cpu_peak_rss", wall_time_s=3.0)))
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(table.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute.subprocess, "run", fake_train)
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
             "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
-    assert table.main(argv) == 0
+    assert accuracy.main(argv) == 0
     assert commands == [["--run-dir", str(timm0.previous.run_dir), "--resume"],
                         ["--run-dir", str(timm0.run_dir), "--overwrite"]]
     out = capsys.readouterr().out
@@ -452,29 +448,29 @@ def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, 
 
 def test_a_second_stage_older_than_its_first_stages_finish_is_trained_again(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args, train_args = table.parse_args(["--attn", "floor", "--run-root", "runs", "--stage", "--img-size 8 --epochs 2",
+    args, train_args = accuracy.parse_args(["--attn", "floor", "--run-root", "runs", "--stage", "--img-size 8 --epochs 2",
                                          "--", *TINY])
-    (run,) = table.plan(args, train_args)
+    (run,) = plan.plan(accuracy.grid(args, train_args))
     finish(run.previous, 0.5)
     finish(run, 0.5)
-    assert table.choose_action(run, retrain=False) == ("reuse", "finished with this config")
+    assert execute.choose_action(run, retrain=False) == ("reuse", "finished with this config")
     # the same runs, named from another spelling of the run root: still the same runs
-    args, train_args = table.parse_args(["--attn", "floor", "--run-root", str(tmp_path / "runs"),
+    args, train_args = accuracy.parse_args(["--attn", "floor", "--run-root", str(tmp_path / "runs"),
                                          "--stage", "--img-size 8 --epochs 2", "--", *TINY])
-    (spelled,) = table.plan(args, train_args)
-    assert table.choose_action(spelled, retrain=False) == ("reuse", "finished with this config")
+    (spelled,) = plan.plan(accuracy.grid(args, train_args))
+    assert execute.choose_action(spelled, retrain=False) == ("reuse", "finished with this config")
     # a run of the same config trained from scratch in that folder is not this second stage
-    scratch = table.expected_config(run.argv)
+    scratch = plan.expected_config(run.argv)
     scratch.initial_checkpoint = None
     (run.run_dir / "config.yaml").write_text(config_yaml(scratch))
-    assert table.choose_action(run, retrain=False)[1] == (
+    assert execute.choose_action(run, retrain=False)[1] == (
         f"its config differs: initial_checkpoint: None -> {str(run.previous.run_dir)!r}"
     )
-    (run.run_dir / "config.yaml").write_text(config_yaml(table.expected_config(run.argv)))
+    (run.run_dir / "config.yaml").write_text(config_yaml(plan.expected_config(run.argv)))
     # its first stage finished again (an invocation stopped between the stages): the second is stale
     later = (run.run_dir / "config.yaml").stat().st_mtime + 10
     os.utime(run.previous.run_dir / "summary.json", (later, later))
-    assert table.choose_action(run, retrain=False) == ("train", "the stage it starts from finished again after it started")
+    assert execute.choose_action(run, retrain=False) == ("train", "the stage it starts from finished again after it started")
 
 
 def test_eta_counts_each_stage_at_its_own_time_and_not_the_runs_that_will_not_start():
@@ -485,16 +481,16 @@ def test_eta_counts_each_stage_at_its_own_time_and_not_the_runs_that_will_not_st
     runs = [first[0], second[0], first[1], second[1]]
     first[0].seconds, second[0].seconds = 10.0, 70.0
     first[0].status = second[0].status = "finished"
-    assert table.eta_seconds(runs) == 10.0 + 70.0  # floor's stages at timm's time of the same stage
+    assert execute.eta_seconds(runs) == 10.0 + 70.0  # floor's stages at timm's time of the same stage
     first[1].seconds, first[1].status = 5.0, "out of memory"  # its second stage will not start
-    assert table.eta_seconds(runs) == 0
+    assert execute.eta_seconds(runs) == 0
 
 
 def test_a_first_stage_out_of_memory_names_its_log():
     run = synthetic_run("axial", 0, None, status="out of memory")
     run.previous = synthetic_run("axial", 0, None, status="out of memory")
     run.previous.run_dir, run.previous.stage, run.previous.last, run.stage = Path("runs/axial/seed0-stage1"), 1, False, 2
-    results = table.summarize_rows(table.parse_rows(["axial"]), [run])
-    assert table.markdown(results, [run], recipe(), "c").splitlines()[2] == (
+    results = summarise.summarize_rows(plan.parse_rows(["axial"]), [run])
+    assert report.accuracy_markdown(results, [run], recipe(), "c").splitlines()[2] == (
         f"| axial | — | — | — | — | — | no: out of memory in stage 1 (see `{Path('runs/axial/seed0-stage1.log')}`) |"
     )

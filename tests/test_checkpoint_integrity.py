@@ -24,14 +24,13 @@ import torch
 from safetensors.torch import load_file
 
 from tests.test_train import ENV, REPO, TINY, TRAIN, run_train
+import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.predict import load_trained_model
 from visattn.train import checkpoint as ckpt
 from visattn.train.checkpoint import CheckpointError, RunDirError, RunLock, verify_checkpoint
 from visattn.train.build import build_optimizer
 from visattn.train.config import ConfigError, make_config, read_yaml
 
-sys.path.insert(0, str(REPO))
-import train  # noqa: E402  (the script at the repository root)
 
 # What accelerate's save_state writes for this run (one process, fp32: no scaler.pt; timm's scheduler
 # and the plain DataLoader sampler are not registered, so no scheduler.bin or sampler.bin), and ours.

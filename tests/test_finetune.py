@@ -15,6 +15,7 @@ from huggingface_hub import constants as hf_constants
 from safetensors.torch import save_file
 from timm.layers import resample_abs_pos_embed
 
+import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.models import create_model, load_weights
 from visattn.predict import load_trained_model
 from visattn.train.build import build_model
@@ -23,8 +24,6 @@ from visattn.train.config import ConfigError
 from visattn.train.initial import load_initial_weights, read_initial_weights
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-import train  # noqa: E402  (the script at the repository root)
 
 MODEL = "vit_tiny_patch16_224"
 # The stock ViT of the file: 32 x 32 images, patch 4 (an 8 x 8 grid), class + 1 register token.

@@ -1,10 +1,9 @@
-"""scripts/resolution_table.py: a model trained at one size, tested whole and tiled at a larger one."""
+"""visattn.experiments.resolution: a model trained at one size, tested whole and tiled at a larger one."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,18 +11,15 @@ import pytest
 import torch
 import yaml
 
+import train  # the script at the repository root, importable from there as pytest runs the tests
+from visattn.experiments import larger_size, resolution, stages, summarise
 from visattn.models import create_model
 from visattn.predict import load_trained_model
 from visattn.tiled import TiledViT
 from visattn.train.config import make_config
 from visattn.train.data import load_splits
 
-from tests.helpers import REPO, TINY, load_script
-
-sys.path.insert(0, str(REPO))
-import train  # noqa: E402  (the script at the repository root)
-
-resolution = load_script("resolution_table")
+from tests.helpers import TINY
 
 
 def test_the_most_confident_tile_is_the_tile_with_the_top_probability():
@@ -35,7 +31,7 @@ def test_the_most_confident_tile_is_the_tile_with_the_top_probability():
     # 8 px tiles of 16 x 20 px images: rows at 0 and 8; columns at 0, 8 and 12, the last moved back to the edge
     images = torch.randn(3, 3, 16, 20)
     with torch.no_grad():
-        chosen = resolution.MostConfidentTile(model, overlap=0)(images)
+        chosen = larger_size.MostConfidentTile(model, overlap=0)(images)
         for image, logits in zip(images, chosen):
             tiles = [image[:, top:top + 8, left:left + 8] for top in (0, 8) for left in (0, 8, 12)]
             each = model(torch.stack(tiles))  # (6, 5)
@@ -91,16 +87,16 @@ def test_each_column_tests_its_own_images_and_a_failing_column_is_reported(tmp_p
 
     # every column of the softmax, computed here from its own images and model (a model this small stays near
     # chance, so the columns may agree: which model and images each takes is checked below)
-    stage = resolution.read_run("softmax", 0, root / "softmax" / "seed0-stage1")
-    upsampled = resolution.split_images(stage, (32, 32), 64, {})
-    larger = resolution.split_images(stage, (64, 64), 64, {})
+    stage = summarise.read_finished("softmax", 0, root / "softmax" / "seed0-stage1")
+    upsampled = larger_size.split_images(stage, (32, 32), 64, {})
+    larger = larger_size.split_images(stage, (64, 64), 64, {})
     whole, small = (load_trained_model(stage.run_dir, img_size=size) for size in (64, 32))
     expected = {
-        "upsampled": resolution.accuracy(whole, upsampled, 32),
-        "whole": resolution.accuracy(whole, larger, 32),
-        "tiled, overlap 0 px": resolution.accuracy(TiledViT(small, overlap=0), larger, 32),
-        "tiled, overlap 16 px": resolution.accuracy(TiledViT(small, overlap=16), larger, 32),
-        "most confident tile": resolution.accuracy(resolution.MostConfidentTile(small, 16), larger, 32),
+        "upsampled": larger_size.accuracy(whole, upsampled, 32),
+        "whole": larger_size.accuracy(whole, larger, 32),
+        "tiled, overlap 0 px": larger_size.accuracy(TiledViT(small, overlap=0), larger, 32),
+        "tiled, overlap 16 px": larger_size.accuracy(TiledViT(small, overlap=16), larger, 32),
+        "most confident tile": larger_size.accuracy(larger_size.MostConfidentTile(small, 16), larger, 32),
         "trained size": stage.summary["test_acc"],
         "second stage": json.loads((root / "softmax" / "seed0" / "summary.json").read_text())["test_acc"],
     }
@@ -112,10 +108,10 @@ def test_each_column_tests_its_own_images_and_a_failing_column_is_reported(tmp_p
         tested.append((model, dataset))
         return 0.5
 
-    monkeypatch.setattr(resolution, "accuracy", recorded)
+    monkeypatch.setattr(larger_size, "accuracy", recorded)
     cache = {}
-    upsampled, larger = (resolution.split_images(stage, drawn, 64, cache) for drawn in ((32, 32), (64, 64)))
-    evaluation = resolution.evaluate(stage, 64, [0, 16], "crop", 32, cache)
+    upsampled, larger = (larger_size.split_images(stage, drawn, 64, cache) for drawn in ((32, 32), (64, 64)))
+    evaluation = larger_size.evaluate(stage, 64, [0, 16], "crop", 32, cache)
     assert list(evaluation.accuracy) == ["trained size", "upsampled", "whole", "tiled, overlap 0 px",
                                          "tiled, overlap 16 px", "most confident tile"]
     (up, up_images), (whole, whole_images), (tiled0, images0), (tiled16, images16), (best, best_images) = tested
@@ -138,9 +134,9 @@ def test_each_column_tests_its_own_images_and_a_failing_column_is_reported(tmp_p
 
 
 def test_sizes_the_tiles_cannot_take_name_their_flag():
-    stage = resolution.FinishedRun("linear", 0, Path("run"), make_config({"img_size": 32, "patch_size": 4}), {},
+    stage = summarise.FinishedRun("linear", 0, Path("run"), make_config({"img_size": 32, "patch_size": 4}), {},
                                    (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
-    resolution.check_sizes(stage, 64, [0, 16, 28])
+    larger_size.check_sizes(stage, 64, [0, 16, 28])
     for img_size, overlaps, message in [
         (16, [0], "--img-size: must be a multiple of the patch size (4 px) and at least the size run was trained at "
                   "(32x32 px), got 16"),
@@ -149,7 +145,7 @@ def test_sizes_the_tiles_cannot_take_name_their_flag():
         (64, [32], "--overlap: overlap height must be a multiple of the patch size 4 px in [0, tile height 32)"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
-            resolution.check_sizes(stage, img_size, overlaps)
+            larger_size.check_sizes(stage, img_size, overlaps)
 
 
 def test_a_missing_or_unfinished_run_is_one_line_naming_it(tmp_path, capsys):
@@ -181,7 +177,7 @@ def test_the_table_s_logs_beside_a_one_stage_curriculum_are_no_stages(tmp_path):
         (tmp_path / "linear" / name).mkdir(parents=True)
     for log in ("seed0-stage1.log", "seed0-stage2.log", "seed0.log"):
         (tmp_path / "linear" / log).write_text("")
-    assert resolution.first_stage(tmp_path / "linear", 0) == tmp_path / "linear" / "seed0-stage1"
+    assert stages.first_stage(tmp_path / "linear", 0) == tmp_path / "linear" / "seed0-stage1"
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -203,7 +199,7 @@ def test_bad_flags_are_refused_by_name(flags, message, capsys):
 
 def _finished_run(run_dir: Path, img_size: int, seed: int, test_acc: float, start: Path | None = None,
                   **config: object) -> Path:
-    """The files resolution_table reads of a finished run (no weights: nothing is tested here); ``start``: the
+    """The files the resolution table reads of a finished run (no weights: nothing is tested here); ``start``: the
     checkpoint it started from; ``config``: more fields of its config.yaml."""
     run_dir.mkdir(parents=True)
     fields = {"img_size": img_size, "patch_size": 4, "seed": seed, "run_dir": str(run_dir), **config}
@@ -220,10 +216,10 @@ def test_named_runs_are_rows_by_path_with_their_own_seed_and_the_second_stage_th
     first = _finished_run(tmp_path / "pf32-linear", 32, seed=3, test_acc=0.8)
     second = _finished_run(tmp_path / "pf64-linear", 64, seed=3, test_acc=0.6, start=first)
     alone = _finished_run(tmp_path / "pf32-softmax", 32, seed=2, test_acc=0.7)
-    stages = resolution.named_stages([(first, second), (alone, None)], img_size=64)
-    assert [(stage.row, stage.seed, stage.second_stage) for stage in stages] == [
+    found = stages.named_stages([(first, second), (alone, None)], img_size=64)
+    assert [(stage.row, stage.seed, stage.second_stage) for stage in found] == [
         (str(first), 3, second), (str(alone), 2, None)]
-    assert [resolution.second_stage_accuracy(stage, 64) for stage in stages] == [0.6, None]
+    assert [stages.second_stage_accuracy(stage, 64) for stage in found] == [0.6, None]
 
 
 def test_a_second_stage_starts_from_its_first_however_the_path_is_spelled(tmp_path, monkeypatch):
@@ -235,8 +231,8 @@ def test_a_second_stage_starts_from_its_first_however_the_path_is_spelled(tmp_pa
     for number, start in enumerate(starts):
         second = _finished_run(tmp_path / f"second{number}", 64, seed=0, test_acc=0.6, start=start)
         for spelled in (first, Path("runs/pf32"), Path("link/pf32")):
-            [stage] = resolution.named_stages([(spelled, second)], img_size=64)
-            assert resolution.second_stage_accuracy(stage, 64) == 0.6, (start, spelled)
+            [stage] = stages.named_stages([(spelled, second)], img_size=64)
+            assert stages.second_stage_accuracy(stage, 64) == 0.6, (start, spelled)
 
 
 def test_a_renamed_first_is_found_by_the_folder_it_recorded_and_only_where_that_checkpoint_is_gone(tmp_path):
@@ -244,14 +240,14 @@ def test_a_renamed_first_is_found_by_the_folder_it_recorded_and_only_where_that_
     first = _finished_run(trained_as, 32, seed=0, test_acc=0.8)
     second = _finished_run(tmp_path / "pf64", 64, seed=0, test_acc=0.6, start=trained_as)
     first = first.rename(tmp_path / "pf32")  # its config still records run_dir: .../pf32-old-name
-    [stage] = resolution.named_stages([(first, second)], img_size=64)
+    [stage] = stages.named_stages([(first, second)], img_size=64)
     assert stage.second_stage == second
     # another run now under the old name: the checkpoint exists, and it is not the first's
     _finished_run(trained_as, 32, seed=0, test_acc=0.5)
     with pytest.raises(ValueError, match=re.escape(f"--runs: {second} starts from {trained_as}, not from {first} or the "
                                                    f"folder it recorded as its run_dir ({trained_as}); accepted: a run "
                                                    f"trained with --initial-checkpoint {first}")):
-        resolution.named_stages([(first, second)], img_size=64)
+        stages.named_stages([(first, second)], img_size=64)
 
 
 def test_a_table_of_named_runs_has_a_row_and_the_seed_of_each_run(tmp_path, monkeypatch, capsys):
@@ -260,9 +256,9 @@ def test_a_table_of_named_runs_has_a_row_and_the_seed_of_each_run(tmp_path, monk
     alone = _finished_run(tmp_path / "pf32-softmax", 32, seed=2, test_acc=0.7)
 
     def evaluate(stage, img_size, overlaps, merge, batch_size, cache):  # every tested column at 50%
-        evaluation = resolution.Evaluation(stage.row, stage.seed, str(stage.run_dir), stage.config.image_hw)
-        evaluation.accuracy = {resolution.TRAINED: stage.summary["test_acc"], **dict.fromkeys(
-            [resolution.UPSAMPLED, resolution.WHOLE, resolution.tiled_column(0), resolution.MOST_CONFIDENT], 0.5)}
+        evaluation = larger_size.Evaluation(stage.row, stage.seed, str(stage.run_dir), stage.config.image_hw)
+        evaluation.accuracy = {larger_size.TRAINED: stage.summary["test_acc"], **dict.fromkeys(
+            [larger_size.UPSAMPLED, larger_size.WHOLE, larger_size.tiled_column(0), larger_size.MOST_CONFIDENT], 0.5)}
         return evaluation
 
     monkeypatch.setattr(resolution, "evaluate", evaluate)

@@ -24,6 +24,7 @@ from sklearn.model_selection import train_test_split
 
 import visattn
 from tests.helpers import rms_rel_err
+import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.predict import load_trained_model
 from visattn.train import build, data, loop
 from visattn.train.cli import build_parser, parse_args
@@ -32,8 +33,6 @@ from visattn.train.data import TransformedDataset, build_transform, load_splits
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
-sys.path.insert(0, str(REPO))
-import train  # noqa: E402  (the script at the repository root)
 
 # 96 train / 50 validation / 50 test digits at 16x16, patch 4 (4x4 grid): 6 steps of 16 per epoch.
 TINY = [

@@ -11,7 +11,9 @@ Pieces: :mod:`~visattn.predict.run_dir` (what a run directory holds, :func:`load
 """
 from visattn.predict.images import UnreadableImageError, find_images, read_image, to_rgb
 from visattn.predict.predictor import Prediction, Predictor, iter_predictions, load_predictor, predict, resolve_device
-from visattn.predict.run_dir import BEST_WEIGHTS, LAST_WEIGHTS, MODEL_FILE, load_trained_model, read_model_file
+from visattn.predict.run_dir import (
+    BEST_WEIGHTS, LAST_WEIGHTS, MODEL_FILE, load_trained_model, read_model_file, recorded_data_config,
+)
 
 __all__ = [
     "BEST_WEIGHTS",
@@ -27,6 +29,7 @@ __all__ = [
     "predict",
     "read_image",
     "read_model_file",
+    "recorded_data_config",
     "resolve_device",
     "to_rgb",
 ]

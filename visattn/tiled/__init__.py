@@ -39,12 +39,14 @@ How it works, for an image of H x W patches and tiles of h x w patches (:mod:`~v
    logits are therefore the mean of the tiles' logits.
 
 Functions: :func:`tiled_forward`, :func:`tiled_features` (the merged grid and prefix tokens),
-:func:`cut_tiles`, :func:`merge_tiles` and its loop twin :func:`naive_merge_tiles`, :func:`tile_layout`.
+:func:`cut_tiles`, :func:`merge_tiles` and its loop twin :func:`naive_merge_tiles`, :func:`tile_layout`,
+:func:`model_tile` (the image size a model was built for: its tile).
 """
 from visattn.tiled.functional import (
     TiledFeatures,
     cut_tiles,
     merge_tiles,
+    model_tile,
     naive_merge_tiles,
     tiled_features,
     tiled_forward,
@@ -61,6 +63,7 @@ __all__ = [
     "TiledViT",
     "cut_tiles",
     "merge_tiles",
+    "model_tile",
     "naive_merge_tiles",
     "tile_layout",
     "tiled_features",

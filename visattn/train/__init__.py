@@ -12,7 +12,34 @@
     rundir.py       the run directory: its checks, the run lock, files written whole
     checkpoint.py   crash-safe, verified checkpoints and the trained weights
     run_log.py      per-epoch metrics, plot, summary, peak memory
-"""
-from visattn.train.config import ConfigError, TrainConfig, make_config
 
-__all__ = ["ConfigError", "TrainConfig", "make_config"]
+The names here are what code outside training (``visattn.experiments``) uses: a run's config as train.py
+resolves it, its data as evaluation transforms it, and the files a run directory holds.
+"""
+from visattn.train.attention import resolve_attention
+from visattn.train.build import default_cpu_threads
+from visattn.train.cli import build_parser, resolve_config
+from visattn.train.config import ConfigError, TrainConfig, make_config, read_yaml
+from visattn.train.data import eval_data_config, load_splits, without_images
+from visattn.train.datasets import DataError
+from visattn.train.run_log import METRICS_FILE, SUMMARY_FILE
+from visattn.train.rundir import CONFIG_FILE, list_checkpoints
+
+__all__ = [
+    "CONFIG_FILE",
+    "METRICS_FILE",
+    "SUMMARY_FILE",
+    "ConfigError",
+    "DataError",
+    "TrainConfig",
+    "build_parser",
+    "default_cpu_threads",
+    "eval_data_config",
+    "list_checkpoints",
+    "load_splits",
+    "make_config",
+    "read_yaml",
+    "resolve_attention",
+    "resolve_config",
+    "without_images",
+]

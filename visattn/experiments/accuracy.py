@@ -1,0 +1,171 @@
+"""Train every attention type with one recipe over several seeds, and tabulate accuracy, speed and memory.
+
+    python -m visattn.experiments.accuracy                                   # timm + every type, configs/digits.yaml, seed 0
+    python -m visattn.experiments.accuracy --epochs 2 --attn axial,softmax   # a quicker, partial table
+    python -m visattn.experiments.accuracy --config configs/cluttered-digits.yaml --seeds 0 1 2 \\
+        --run-root runs/table-cluttered-digits --output tables/cluttered-digits.md
+    python -m visattn.experiments.accuracy --attn timm linear linear:dwconv_kernel=null   # a row with options
+    python -m visattn.experiments.accuracy --epochs 1 -- --max-train-samples 256          # after --: to every train.py
+    python -m visattn.experiments.accuracy --config configs/cluttered-digits-curriculum.yaml \\
+        --stage "--img-size 64 --epochs 4"                                        # a curriculum: 64 px, then 128
+    D="seed=0 train_size=10000 val_size=2000 test_size=2000"   # a stage's --dataset-kwargs replaces them all
+    python -m visattn.experiments.accuracy --config configs/pathfinder.yaml --epochs 10 \\
+        --stage "--epochs 20 --dataset-kwargs level=easy contour_length=2 distractors=0 $D" \\
+        --stage "--epochs 10 --dataset-kwargs level=easy $D" \\
+        --stage "--epochs 10 --dataset-kwargs level=intermediate $D" \\
+        -- --img-size 64 --patch-size 8                                  # a ladder of easier tasks, then hard
+
+Rows (``--attn``): attention types of ``visattn.list_attentions()`` and ``timm``, timm's own Attention in a
+stock timm ViT of the same shape (``train.py --attn timm``), the reference of the speed-up column; by
+default ``timm`` and then every type. A row with options is ``TYPE:KEY=VALUE[,KEY=VALUE...]``, its options
+laid over the recipe's ``attn_kwargs``; a word without ``:`` may name several rows, comma-separated.
+
+Each (row, seed) is trained by its own ``train.py`` process into ``<run-root>/<row>/seed<k>`` (its output in
+``seed<k>.log`` beside it), one after the other: every row with the first seed, then every row with the next.
+A curriculum (``--stage FLAGS``, once per earlier stage) trains each run in several ``train.py`` processes:
+stage i with the recipe, the words after ``--`` and then the i-th ``--stage``'s train.py flags (one word, quoted:
+``"--img-size 64 --epochs 4"``; a flag there replaces the same flag's value, ``--dataset-kwargs`` all of its
+options; a generated dataset is drawn afresh at each stage's size and options) into
+``seed<k>-stage<i>``, each stage from the previous one's best weights, chosen on validation, and last the
+recipe itself into ``seed<k>`` from the last stage's (``--initial-checkpoint``, which resamples the position
+embedding to the new grid; a ``--initial-checkpoint`` after ``--`` starts the first stage).
+
+A run whose ``summary.json`` is there and whose saved ``config.yaml`` is the config this command would train
+is reused, not retrained; one with that config and a checkpoint but no summary (an invocation that was
+stopped) is resumed; any other is trained afresh (``--retrain``: every run). A stage started before the stage
+it starts from last finished is trained afresh, whatever its config. A table that needs hours is so built over
+several invocations. One line per run says when it starts and ends, with its time and the estimated time of
+the runs left.
+
+Written after every run (``--output NAME.md``): the markdown table; ``NAME.png``, test accuracy per row with
+its range over the seeds, and the validation accuracy of every epoch per row; ``NAME.json`` and ``NAME.csv``,
+every run with its summary (the JSON also with its per-epoch records). Columns: test accuracy of the weights
+chosen on validation (median [min-max] over the seeds that finished, and their count); training images/s
+and seconds per epoch (training plus validation) from each run's own records, and the peak memory (GPU
+memory allocated by tensors on CUDA; the whole process's peak resident memory on CPU, Python runtime and
+dataset included), each the median over seeds and, with a curriculum, of the last stage alone; the speed-up
+over the ``timm`` row (ratio of images/s); and whether the row ran at the recipe's token count (no: out of
+memory, or failed, with its log).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import visattn
+from visattn.experiments.execute import choose_action, duration, eta_seconds, execute
+from visattn.experiments.plan import (
+    REPO, TABLE_FLAGS, Grid, all_runs, expected_config, parse_rows, plan, run_name, stage_words, train_flags_problem,
+)
+from visattn.experiments.report import command_line, write_accuracy
+from visattn.experiments.summarise import read_run, summarize_rows
+from visattn.models import TIMM_ATTENTION
+from visattn.train import ConfigError
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m visattn.experiments.accuracy", description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+    )
+    parser.add_argument("--config", default=str(REPO / "configs" / "digits.yaml"), help="the recipe every row trains with")
+    parser.add_argument("--epochs", type=int,
+                        help="override the recipe's epochs (fewer for a quick table); with a curriculum, the last stage's")
+    parser.add_argument(
+        "--attn", nargs="+", metavar="ROW",
+        help=f"rows: TYPE or TYPE:KEY=VALUE[,KEY=VALUE...], TYPE one of {TIMM_ATTENTION}, "
+             f"{', '.join(visattn.list_attentions())} (default: {TIMM_ATTENTION} and every type)",
+    )
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="train.py --seed of each run (default: 0)")
+    parser.add_argument("--run-root", default="runs/accuracy_table", help="<run-root>/<row>/seed<k> holds each run")
+    parser.add_argument("--output", default="accuracy_table.md", help="the markdown table; .png, .json, .csv beside it")
+    parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
+    parser.add_argument(
+        "--stage", action="append", default=[], metavar="FLAGS", dest="stages",
+        help="a curriculum: an earlier stage, train.py flags in one quoted word laid over the recipe and the words "
+             "after -- (\"--img-size 64 --epochs 4\"); once per stage, in order, each from the previous one's weights",
+    )
+    # A stage is one word that starts with "--": joined to its flag, argparse takes it as the flag's value
+    # even without a space in it ("--stage --epochs=4").
+    pending, own = own, []
+    while pending:
+        word = pending.pop(0)
+        own.append(f"--stage={pending.pop(0)}" if word == "--stage" and pending else word)
+    args = parser.parse_args(own)
+    try:
+        args.rows = parse_rows(args.attn or [TIMM_ATTENTION, *visattn.list_attentions()])
+    except ValueError as error:
+        parser.error(f"--attn: {error}")
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds: each seed once, got {' '.join(map(str, args.seeds))}")
+    if args.epochs is not None and args.epochs < 1:
+        parser.error(f"--epochs: must be >= 1, got {args.epochs}")
+    taken = sorted({arg.partition("=")[0] for arg in train_args} & set(TABLE_FLAGS))
+    if taken:
+        parser.error(f"after --: {', '.join(taken)} set by the table for each run; use --attn ROW and --seeds")
+    problem = train_flags_problem(train_args)
+    if problem:
+        parser.error(f"after --: {problem}")
+    args.stage_flags = []
+    for number, text in enumerate(args.stages, start=1):
+        args.stage_flags.append(stage_words(text, lambda problem: parser.error(f"--stage {number} {text!r}: {problem}")))
+    if not args.output.endswith(".md"):
+        parser.error(f"--output: a markdown file name ending in .md, got {args.output!r}")
+    return args, train_args
+
+
+def grid(args: argparse.Namespace, train_args: list[str]) -> Grid:
+    """The runs ``parse_args`` asks for."""
+    return Grid(config=args.config, rows=args.rows, seeds=args.seeds, run_root=Path(args.run_root), epochs=args.epochs,
+                stage_flags=args.stage_flags, train_args=train_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, train_args = parse_args(argv)
+    try:
+        runs = plan(grid(args, train_args))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    recipe = expected_config(runs[0].argv)
+    command = command_line("visattn.experiments.accuracy", sys.argv[1:] if argv is None else argv)
+    every_run = all_runs(runs)
+    for run in every_run:
+        run.action, why = choose_action(run, args.retrain)
+        if run.previous is not None and run.previous.action != "reuse" and run.action != "train":
+            run.action, why = "train", "the stage it starts from is trained in this invocation"
+        if run.action == "reuse":
+            read_run(run)
+        elif run.action == "train" and why != "new":
+            print(f"{run_name(run)}: trained afresh: {why}", flush=True)
+    todo = [run for run in every_run if run.action != "reuse"]
+    print(f"{len(every_run)} runs: {len(every_run) - len(todo)} finished before, {len(todo)} to train "
+          f"({sum(run.action == 'resume' for run in todo)} resumed)", flush=True)
+    output = Path(args.output)
+    for number, run in enumerate(todo, start=1):
+        if run.cause is not run:
+            run.status = run.cause.status
+            outcome = "ran out of memory" if run.cause.status == "out of memory" else run.cause.status
+            print(f"[{number}/{len(todo)}] {run_name(run)}: not started, its stage {run.cause.stage} {outcome}", flush=True)
+            write_accuracy(output, summarize_rows(args.rows, runs), runs, recipe, command)
+            continue
+        eta = eta_seconds(every_run)
+        remaining = f"; all {len(todo) - number + 1} left: about {duration(eta)}" if eta is not None else ""
+        verb = "resumed" if run.action == "resume" else "started"
+        print(f"[{number}/{len(todo)}] {run_name(run)}: {verb}{remaining}", flush=True)
+        execute(run)
+        outcome = f"{100 * run.summary['test_acc']:.2f}%" if run.status == "finished" else f"{run.status}, see {run.log}"
+        eta = eta_seconds(every_run)
+        left = f"; {len(todo) - number} left: about {duration(eta)}" if number < len(todo) and eta is not None else ""
+        print(f"[{number}/{len(todo)}] {run_name(run)}: {outcome} in {duration(run.seconds)}{left}", flush=True)
+        write_accuracy(output, summarize_rows(args.rows, runs), runs, recipe, command)  # a table so far, should it stop
+    print(write_accuracy(output, summarize_rows(args.rows, runs), runs, recipe, command))
+    return 0 if all(run.status == "finished" for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Each run of a grid reused, resumed or trained afresh, in its own ``train.py`` process; the time the runs
+left should take."""
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from visattn.experiments.plan import REPO, Run, expected_config
+from visattn.experiments.summarise import read_run
+from visattn.train import CONFIG_FILE, SUMMARY_FILE, ConfigError, TrainConfig, list_checkpoints, make_config, read_yaml
+
+# Config keys that say where and how a run is kept, not what it trains: a run that differs only in them is reused.
+BOOKKEEPING_KEYS = ("run_dir", "num_workers", "save_every", "keep_checkpoints", "log_with")
+# What a run that ran out of memory leaves in its log (CPU allocator, CUDA, Python).
+OUT_OF_MEMORY = re.compile(r"out of memory|can't allocate memory|MemoryError", re.IGNORECASE)
+SIGKILL_EXIT = -9  # what subprocess reports for a process the kernel's OOM killer ends
+
+
+def config_differences(saved: TrainConfig, expected: TrainConfig, ignored: tuple[str, ...] = ()) -> list[str]:
+    """'key: saved -> expected' for every setting that changes what is trained (but ``ignored``)."""
+    old, new = saved.to_dict(), expected.to_dict()
+    skip = (*BOOKKEEPING_KEYS, *ignored)
+    return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in old if key not in skip and old[key] != new[key]]
+
+
+def choose_action(run: Run, retrain: bool) -> tuple[str, str]:
+    """(action, why): reuse a finished run of this config, resume a stopped one, or train afresh."""
+    if retrain:
+        return "train", "--retrain"
+    config_file = run.run_dir / CONFIG_FILE
+    if not config_file.is_file():
+        return "train", "new"
+    try:
+        saved = make_config(read_yaml(config_file))
+    except ConfigError as error:
+        return "train", f"its saved config is unreadable here ({error})"
+    # A later stage's initial_checkpoint names its previous stage's folder, however --run-root was spelled:
+    # compared as that folder, and by whether it started after that stage last finished.
+    ignored = ("initial_checkpoint",) if run.previous is not None else ()
+    differences = config_differences(saved, expected_config(run.argv), ignored)
+    if run.previous is not None and not starts_from(saved, run.previous):
+        differences.append(f"initial_checkpoint: {saved.initial_checkpoint!r} -> {str(run.previous.run_dir)!r}")
+    if differences:
+        return "train", f"its config differs: {'; '.join(differences)}"
+    if run.previous is not None and started_before(run, run.previous):
+        return "train", "the stage it starts from finished again after it started"
+    if (run.run_dir / SUMMARY_FILE).is_file():
+        return "reuse", "finished with this config"
+    if list_checkpoints(run.run_dir):
+        return "resume", "stopped before the end, resumed from its last checkpoint"
+    return "train", "no checkpoint to resume from"
+
+
+def starts_from(saved: TrainConfig, previous: Run) -> bool:
+    """Whether a saved config starts from ``previous``'s folder (its weights), however the path is spelled."""
+    return (saved.initial_checkpoint is not None
+            and Path(saved.initial_checkpoint).resolve() == previous.run_dir.resolve())
+
+
+def started_before(run: Run, previous: Run) -> bool:
+    """Whether ``run`` started (wrote its config) before ``previous`` last finished (wrote its summary)."""
+    summary = previous.run_dir / SUMMARY_FILE
+    return summary.is_file() and (run.run_dir / CONFIG_FILE).stat().st_mtime < summary.stat().st_mtime
+
+
+def failure(returncode: int, log_text: str) -> str:
+    """Why a train.py process failed: "out of memory" (its log, or killed by the kernel) or "failed"."""
+    if returncode == SIGKILL_EXIT or OUT_OF_MEMORY.search(log_text):
+        return "out of memory"
+    return "failed"
+
+
+def execute(run: Run) -> None:
+    """Train (or resume) ``run`` in its own train.py process, its output in ``run.log``."""
+    flag = "--resume" if run.action == "resume" else "--overwrite"
+    command = [sys.executable, str(REPO / "train.py"), *run.argv, flag]
+    run.log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(run.log, "w") as handle:
+        result = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT)
+    run.seconds = time.perf_counter() - started
+    if result.returncode == 0 and (run.run_dir / SUMMARY_FILE).is_file():
+        read_run(run)
+    else:
+        run.status = failure(result.returncode, run.log.read_text(errors="replace"))
+
+
+def eta_seconds(runs: list[Run]) -> float | None:
+    """Time the runs still to train should take: each at its row's mean time (of the same stage) in this
+    invocation so far, or else the mean over all rows of its stage, or else over all runs (None before any
+    run is timed)."""
+    timed = [run for run in runs if run.seconds is not None]
+    if not timed:
+        return None
+    per_row: dict[tuple[str, int | None], list[float]] = {}
+    per_stage: dict[int | None, list[float]] = {}
+    for run in timed:
+        per_row.setdefault((run.row.text, run.stage), []).append(run.seconds)
+        per_stage.setdefault(run.stage, []).append(run.seconds)
+    overall = [run.seconds for run in timed]
+    pending = [
+        run for run in runs
+        if run.action != "reuse" and run.seconds is None and run.status == "not run"
+        and run.cause is run  # else it will not start
+    ]
+    return sum(
+        statistics.fmean(per_row.get((run.row.text, run.stage)) or per_stage.get(run.stage) or overall)
+        for run in pending
+    )
+
+
+def duration(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"

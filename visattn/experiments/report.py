@@ -1,0 +1,202 @@
+"""The tables as files: the accuracy table (markdown, with its figure, every run as JSON and CSV) and the
+resolution table (markdown, every run as JSON)."""
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+import statistics
+from pathlib import Path
+from typing import Any
+
+from visattn.experiments.larger_size import MOST_CONFIDENT, SECOND_STAGE, TRAINED, UPSAMPLED, WHOLE, Evaluation, columns, tiled_column
+from visattn.experiments.plan import Run, all_runs, expected_config
+from visattn.experiments.plot import plot
+from visattn.experiments.summarise import RowResult, epoch_seconds
+from visattn.models import TIMM_ATTENTION
+from visattn.train import TrainConfig
+
+
+def command_line(module: str, argv: list[str]) -> str:
+    """The command that wrote a table, as a shell reads it."""
+    return shlex.join(["python", "-m", module, *argv])
+
+
+def median_range(values: list[float]) -> str:
+    """Accuracies as a percentage: the median, and with more than one value their range."""
+    median = f"{100 * statistics.median(values):.2f}%"
+    if len(values) == 1:
+        return median
+    return f"{median} [{100 * min(values):.2f}–{100 * max(values):.2f}]"
+
+
+# -- the accuracy table ---------------------------------------------------------------------------------------
+def accuracy_cell(result: RowResult) -> str:
+    return f"{median_range(result.accs)} ({result.count})" if result.accs else "—"
+
+
+def _number(value: float | None, digits: int = 0) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _rate(value: float | None) -> str:
+    """Images/s to three figures or more: a few images/s at high resolution on a CPU keep their decimals."""
+    return _number(value, 0 if value is None or value >= 100 else 1 if value >= 10 else 2)
+
+
+def accuracy_markdown(results: list[RowResult], runs: list[Run], recipe: TrainConfig, command: str) -> str:
+    finished = [run for run in runs if run.status == "finished"]
+    mem_kinds = {run.summary["mem_kind"] for run in finished}
+    on_gpu = mem_kinds == {"cuda_allocated"}
+    rows_, cols_ = (side // recipe.patch_size for side in recipe.image_hw)
+    tokens = f"{rows_ * cols_:,} tokens"
+    timm = next((result for result in results if result.row.attn == TIMM_ATTENTION), None)
+    reference = timm.images_per_s if timm is not None else None
+    lines = [
+        f"| attention | test accuracy, median [min–max] (seeds) | train images/s | s per epoch | "
+        f"{'peak GPU memory' if on_gpu else 'peak memory'} (MiB) | speed-up over timm | runs at {tokens} |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for result in results:
+        speedup = (
+            f"{result.images_per_s / reference:.2f}×" if reference and result.images_per_s is not None else "—"
+        )
+        status = result.status
+        if status == "failed":
+            failed = next(run for run in runs if run.row == result.row and run.status == "failed")
+            status = f"failed (see `{failed.failed_log}`)"
+        elif status == "no: out of memory":
+            failed = next(run for run in runs if run.row == result.row and run.status == "out of memory")
+            if failed.cause is not failed:
+                status = f"no: out of memory in stage {failed.cause.stage} (see `{failed.failed_log}`)"
+        lines.append(
+            f"| {result.row.label} | {accuracy_cell(result)} | {_rate(result.images_per_s)} | "
+            f"{_number(result.epoch_s, 1)} | {_number(result.peak_mem_mib)} | {speedup} | {status} |"
+        )
+    memory = (
+        "GPU memory allocated by tensors" if on_gpu
+        else "on CPU the whole process's peak resident set, Python runtime and dataset included"
+    )
+    note = (
+        f"`{command}`: {recipe.dataset} at {recipe.image_hw[0]}×{recipe.image_hw[1]} px, patch {recipe.patch_size} "
+        f"({rows_}×{cols_} grid, {tokens}), {recipe.model} of width {recipe.embed_dim}, depth {recipe.depth}, "
+        f"{recipe.num_heads} heads, {recipe.epochs} epoch{'s' if recipe.epochs != 1 else ''}{curriculum(runs)}; seeds "
+        f"{', '.join(str(seed) for seed in sorted({run.seed for run in runs}))}. Test accuracy of the weights chosen on "
+        "validation; images/s over the training steps and seconds per epoch (training and validation), each from "
+        f"the run's own records, and peak memory ({memory}): medians over the seeds. Speed-up: images/s over "
+        "the timm row's (timm's own Attention in the same ViT)."
+    )
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def curriculum(runs: list[Run]) -> str:
+    """The note's words for the earlier stages: their epochs, grids, and dataset and its options where those
+    differ from the last stage's ("" without any)."""
+    earlier = runs[0].earlier if runs else []
+    if not earlier:
+        return ""
+    last = expected_config(runs[0].argv)
+    words = []
+    for stage in earlier:
+        config = expected_config(stage.argv)
+        rows_, cols_ = (side // config.patch_size for side in config.image_hw)
+        data = "" if config.dataset == last.dataset else f" of {config.dataset}"
+        if config.dataset_kwargs != last.dataset_kwargs:
+            data += f", dataset options {config.dataset_kwargs}"
+        words.append(f"{config.epochs} epoch{'s' if config.epochs != 1 else ''} at "
+                     f"{config.image_hw[0]}×{config.image_hw[1]} px ({rows_}×{cols_} grid){data}")
+    if len(words) == 1:
+        return f", after a first stage of {words[0]} whose weights it starts from (speed and memory: this last stage alone)"
+    return (
+        f", after {len(words)} earlier stages ({'; '.join(words)}), each from the weights of the one before, and "
+        f"this last stage from those of stage {len(words)} (speed and memory: this last stage alone)"
+    )
+
+
+CSV_FIELDS = ("row", "attn", "options", "seed", "stage", "status", "test_acc", "best_acc", "best_epoch", "epochs",
+              "images_per_s", "epoch_time_s", "peak_mem_mib", "mem_kind", "wall_time_s", "run_dir")
+
+
+def run_record(run: Run) -> dict[str, Any]:
+    summary = run.summary or {}
+    return {
+        "row": run.row.text, "attn": run.row.attn, "options": run.row.options, "seed": run.seed,
+        "stage": run.stage, "status": run.status,
+        **{key: summary.get(key) for key in ("test_acc", "best_acc", "best_epoch", "epochs", "images_per_s",
+                                              "peak_mem_mib", "mem_kind", "wall_time_s")},
+        "epoch_time_s": epoch_seconds(run.history), "run_dir": str(run.run_dir),
+    }
+
+
+def write_accuracy(output: Path, results: list[RowResult], runs: list[Run], recipe: TrainConfig, command: str) -> str:
+    """The markdown table, and the PNG, JSON and CSV beside it (with every earlier stage); returns the table."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    table = accuracy_markdown(results, runs, recipe, command)
+    output.write_text(table)
+    plot(results, runs, output.with_suffix(".png"))
+    every_run = all_runs(runs)
+    records = [run_record(run) for run in every_run]
+    output.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "runs": [{**record, "history": run.history} for record, run in zip(records, every_run)]},
+        indent=1,
+    ))
+    with open(output.with_suffix(".csv"), "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows({**record, "options": json.dumps(record["options"])} for record in records)
+    return table
+
+
+# -- the resolution table -------------------------------------------------------------------------------------
+def _cell(values: list[float | None], failed: bool) -> str:
+    if failed:
+        return "error"
+    values = [value for value in values if value is not None]
+    return median_range(values) if values else "–"
+
+
+def _size(hw: tuple[int, int]) -> str:
+    return f"{hw[0]} px" if hw[0] == hw[1] else f"{hw[0]}x{hw[1]} px"
+
+
+def resolution_markdown(evaluations: list[Evaluation], rows: list[str], overlaps: list[int], img_size: int,
+                        command: str, named_runs: bool = False) -> str:
+    """The table: a row per table row, its accuracies the median [min–max] over its seeds; or, with
+    ``named_runs``, a row per run of ``--runs`` with its seed."""
+    small = "/".join(_size(hw) for hw in sorted({tuple(e.trained_hw) for e in evaluations}))
+    heads = {
+        TRAINED: f"test at {small} (trained there)",
+        UPSAMPLED: f"its test images upsampled to {img_size} px",
+        WHOLE: f"whole, {img_size} px test set",
+        **{tiled_column(overlap): f"tiled, {overlap} px overlap" for overlap in overlaps},
+        MOST_CONFIDENT: f"most confident tile, {max(overlaps)} px overlap",
+        SECOND_STAGE: f"second stage (trained on at {img_size} px)",
+    }
+    keys = columns(overlaps)
+    per_row = "one run per row" if named_runs else "median [min–max] over seeds"
+    lines = [
+        f"Test accuracy at {img_size} px of models trained at {small}, {per_row}; "
+        f"the {img_size} px test set is the dataset's test split at {img_size} px (a generated dataset drawn "
+        f"at that size, a dataset of files the upsampled images).",
+        "",
+        f"Command: `{command}`",
+        "",
+        ("| run | seed | " if named_runs else "| attention | seeds | ") + " | ".join(heads[key] for key in keys) + " |",
+        "|---|---:|" + "---:|" * len(keys),
+    ]
+    for row in rows:
+        mine = [evaluation for evaluation in evaluations if evaluation.row == row]
+        cells = [_cell([e.accuracy.get(key) for e in mine], any(key in e.errors for e in mine)) for key in keys]
+        seeds = mine[0].seed if named_runs else len(mine)
+        lines.append(f"| {row} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_resolution(output: Path, text: str, evaluations: list[Evaluation], img_size: int, command: str) -> None:
+    """The markdown table, and every run with each column's seconds as JSON beside it."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    output.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "img_size": img_size, "runs": [evaluation.__dict__ for evaluation in evaluations]},
+        indent=1,
+    ))

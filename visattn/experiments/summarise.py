@@ -1,0 +1,108 @@
+"""What finished runs left: a grid's run's summary and per-epoch records, an accuracy table's row summed up
+over its seeds, and a finished run read with what it was trained with (config and normalization)."""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from visattn.experiments.plan import Row, Run
+from visattn.predict import read_model_file, recorded_data_config
+from visattn.train import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TrainConfig, make_config, read_yaml
+
+
+def read_run(run: Run) -> None:
+    """Fill ``run.summary`` and ``run.history`` from its run directory (status "finished")."""
+    run.summary = json.loads((run.run_dir / SUMMARY_FILE).read_text())
+    metrics = run.run_dir / METRICS_FILE
+    run.history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    run.status = "finished"
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """A row's runs summed up over its seeds."""
+
+    row: Row
+    seeds: int  # runs asked for
+    accs: list[float]  # test accuracy of each finished run
+    images_per_s: float | None
+    epoch_s: float | None
+    peak_mem_mib: float | None
+    status: str  # "yes", "no: out of memory", "failed", "not run yet"
+
+    @property
+    def count(self) -> int:
+        return len(self.accs)
+
+
+def epoch_seconds(history: list[dict[str, Any]]) -> float | None:
+    """Median seconds per epoch, training plus the evaluation that ends it (``eval_time_s``, where recorded)."""
+    times = [record["train_time_s"] + record.get("eval_time_s", 0.0) for record in history]
+    return statistics.median(times) if times else None
+
+
+def median_of_known(values: list[float | None]) -> float | None:
+    """The median of the values that are not None (None if there is none)."""
+    values = [value for value in values if value is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize_row(row: Row, runs: list[Run]) -> RowResult:
+    finished = [run for run in runs if run.status == "finished"]
+    statuses = {run.status for run in runs}
+    if "out of memory" in statuses:
+        status = "no: out of memory"
+    elif "failed" in statuses:
+        status = "failed"
+    else:
+        status = "yes" if finished else "not run yet"
+    return RowResult(
+        row=row, seeds=len(runs), accs=[run.summary["test_acc"] for run in finished],
+        images_per_s=median_of_known([run.summary["images_per_s"] for run in finished]),
+        epoch_s=median_of_known([epoch_seconds(run.history) for run in finished]),
+        peak_mem_mib=median_of_known([run.summary["peak_mem_mib"] for run in finished]),
+        status=status,
+    )
+
+
+def summarize_rows(rows: list[Row], runs: list[Run]) -> list[RowResult]:
+    return [summarize_row(row, [run for run in runs if run.row == row]) for row in rows]
+
+
+@dataclass
+class FinishedRun:
+    """A finished training run: what it was trained with and what it reported."""
+
+    row: str
+    seed: int
+    run_dir: Path
+    config: TrainConfig
+    summary: dict[str, Any]
+    mean: tuple[float, ...]  # the normalization it was trained with
+    std: tuple[float, ...]
+    second_stage: Path | None = None  # the same model trained on at the larger size, if it was
+
+    @property
+    def weights(self) -> str:
+        """The weights its run reported: chosen on validation, or the last epoch's where there was none."""
+        return "last" if self.summary.get("selected_on") == "test" else "best"
+
+
+def read_finished(row: str, seed: int, run_dir: Path) -> FinishedRun:
+    """The finished run in ``run_dir``; ValueError (one line naming the file) for one that is not."""
+    for name in (CONFIG_FILE, SUMMARY_FILE):
+        if not (run_dir / name).is_file():
+            raise ValueError(f"{run_dir / name} does not exist: not a finished training run")
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        test_acc = summary["test_acc"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{run_dir / SUMMARY_FILE}: not a summary written by train.py (no test_acc)") from None
+    if not isinstance(test_acc, (int, float)):
+        raise ValueError(f"{run_dir / SUMMARY_FILE}: test_acc is {test_acc!r}, not a number")
+    data_config = recorded_data_config(read_model_file(run_dir))
+    return FinishedRun(row, seed, run_dir, make_config(read_yaml(run_dir / CONFIG_FILE)), summary,
+                       data_config["mean"], data_config["std"])
