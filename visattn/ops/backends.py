@@ -35,8 +35,9 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     # (autograd through it), plain SDPA recomputed in the backward (activation checkpointing)
     "axial": ("cpu_kernels", "sdpa", "sdpa_checkpoint"),
     # the tiled engine of the local ops: tiles a chunk at a time into cache-sized buffers (no autograd),
-    # all tiles gathered at once (differentiable), or attention over all tokens with the windows as a mask
-    "local": ("chunked", "gathered", "dense"),
+    # all tiles gathered at once (differentiable), attention over all tokens with the windows as a mask,
+    # or FlexAttention's block-sparse kernel over the tokens in tile order (visattn.ops.local_flex; CUDA)
+    "local": ("chunked", "gathered", "dense", "flex"),
 }
 
 _forced: dict[str, str] = {}
@@ -147,13 +148,18 @@ def choose_axial_backend(t: torch.Tensor, dropout_p: float, needs_grad: bool) ->
 def choose_local_backend(
     t: torch.Tensor, needs_grad: bool, dropout_p: float, self_only: bool, dense_cheaper: bool
 ) -> str:
-    """A window of one key: gathered (exact there). Where the windows cover enough of the grid that
-    attention over all tokens costs no more than the tiles (short sequences), dense, on any device.
-    Else, on the CPU when no autograd, dropout or compiled graph needs the whole computation at once,
-    chunk by chunk; elsewhere gathered: one batched SDPA over all tiles, the shape GPU kernels and the
-    compiler want."""
+    """A window of one key: gathered (exact there). On CUDA without dropout, flex: FlexAttention's
+    compiled block-sparse kernel computes only the blocks the windows reach, where the gathered tiles
+    and the dense mask send SDPA to its masked kernels; with dropout (FlexAttention has none), the rules
+    below. Where the windows cover enough of the grid that attention over all tokens costs no more than
+    the tiles (short sequences), dense. Else, on the CPU when no autograd, dropout or compiled graph
+    needs the whole computation at once, chunk by chunk; elsewhere gathered: one batched SDPA over all
+    tiles, the shape GPU kernels and the compiler want. (FlexAttention ships with every torch this
+    package accepts, so it needs no availability check.)"""
     if self_only:
         return "gathered"
+    if t.device.type == "cuda" and not dropout_p:
+        return "flex"
     if dense_cheaper:
         return "dense"
     if needs_grad or dropout_p or not _eager_on_cpu(t):

@@ -34,6 +34,7 @@ from visattn.ops._chunked import Sequences, attend_in_chunks, cache_per_inferenc
 from visattn.ops._layout import merge_heads, split_heads, token_major
 from visattn.ops._naive import separable_grid_mask
 from visattn.ops.backends import choose_local_backend, needs_autograd, select_backend
+from visattn.ops.local_flex import flex_local_attn
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,8 +220,9 @@ def tiled_local_attn(
         prefix_visible: whether patch queries see the prefix keys (Longformer's global tokens) or not.
         backend: ``"chunked"`` (tiles a chunk at a time through
             :func:`visattn.ops._chunked.attend_in_chunks`; no autograd, no dropout), ``"gathered"``
-            (all tiles at once, differentiable) or ``"dense"`` (all N keys, the windows as an N x N
-            mask, differentiable); None: chosen by :func:`visattn.ops.backends.choose_local_backend`.
+            (all tiles at once, differentiable), ``"dense"`` (all N keys, the windows as an N x N
+            mask, differentiable) or ``"flex"`` (FlexAttention, see :mod:`visattn.ops.local_flex`;
+            differentiable, no dropout); None: chosen by :func:`visattn.ops.backends.choose_local_backend`.
     Returns:
         (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor.
     """
@@ -235,6 +237,10 @@ def tiled_local_attn(
             q, needs_grad, dropout_p, self_only, dense_is_cheaper(rows, cols, p, prefix_visible)
         ),
     )
+    if name == "flex":
+        if dropout_p:
+            raise ValueError(f"tiled_local_attn: backend 'flex' has no dropout, got dropout_p={dropout_p}; use 'gathered'")
+        return flex_local_attn(q, k, v, rows, cols, p, prefix_visible, scale)
     if name == "dense":
         mask = _dense_mask(rows, cols, p, prefix_visible, q.dtype)
         # token-major when q is (a view of the qkv projection); else made so, as the other paths return

@@ -33,7 +33,7 @@ def neighborhood_attn(
             (tile_size + k - 1)^2 key region; the result does not depend on it.
         dropout_p: dropout on the attention weights.
         scale: score scale, default d^-0.5.
-        backend: the tiled engine's path, ``"chunked"``, ``"gathered"`` or ``"dense"`` (see
+        backend: the tiled engine's path, ``"chunked"``, ``"gathered"``, ``"dense"`` or ``"flex"`` (see
             :func:`visattn.ops.local.tiled_local_attn`); None: chosen.
     Returns:
         (B, heads, H, W, d)

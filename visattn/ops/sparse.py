@@ -32,7 +32,7 @@ def sparse_attn(
         halo: cells added on each side of the block (0: plain non-overlapping block attention).
         dropout_p: dropout on the attention weights.
         scale: score scale, default d^-0.5.
-        backend: the tiled engine's path, ``"chunked"``, ``"gathered"`` or ``"dense"`` (see
+        backend: the tiled engine's path, ``"chunked"``, ``"gathered"``, ``"dense"`` or ``"flex"`` (see
             :func:`visattn.ops.local.tiled_local_attn`); None: chosen.
     Returns:
         (B, heads, H, W, d)
