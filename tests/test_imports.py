@@ -202,8 +202,6 @@ def test_old_module_paths_still_work_with_a_deprecation_warning(old, new, name):
         ("visattn.ops.linear_step", "visattn.ops.linear_attn_step"),
         ("visattn.ops.linear_reference", "visattn.ops.naive_linear_attn"),
         ("visattn.ops.axial_packed", "visattn.ops.packed_axial_attn"),
-        ("visattn.bench.Case", "visattn.bench.sweep.Case"),
-        ("visattn.bench.fit_exponent", "visattn.bench.report.fit_exponent"),
     ],
 )
 def test_old_names_still_resolve_with_a_deprecation_warning(old, new):
