@@ -13,9 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from visattn.bench import cli, maxlen
-from visattn.bench.maxlen import parse_bytes, run_trial, search_largest, square_grid
+from visattn.bench import cli
+from visattn.bench.cli import MAX_TOKENS, parse_memory
+from visattn.bench.search import search_largest, square_grid
 from visattn.bench.sweep import Case
+from visattn.bench.trial import run_trial
 
 MiB, GiB = 2**20, 2**30
 
@@ -111,14 +113,14 @@ def test_square_grid_is_the_most_square_grid_of_at_most_n_tokens(n):
     [("16GiB", 16 * GiB), ("512MiB", 512 * MiB), ("4GB", 4 * 10**9), ("1.5gib", 3 * GiB // 2), ("8", 8 * GiB),
      ("100 kB", 100_000), ("2048B", 2048)],
 )
-def test_parse_bytes(text, expected):
-    assert parse_bytes(text) == expected
+def test_parse_memory(text, expected):
+    assert parse_memory(text) == expected
 
 
 @pytest.mark.parametrize("text", ["lots", "0GiB", "-1GiB", "8XB", "GiB", ""])
-def test_parse_bytes_rejects(text):
+def test_parse_memory_rejects(text):
     with pytest.raises(ValueError, match="expected a positive size such as 16GiB"):
-        parse_bytes(text)
+        parse_memory(text)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -159,7 +161,7 @@ def test_a_trial_that_cannot_build_reports_its_error():
 def _run(argv: list[str]) -> str:
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        assert cli.main([maxlen.COMMAND, *argv]) == 0
+        assert cli.main([MAX_TOKENS, *argv]) == 0
     return stdout.getvalue()
 
 
@@ -218,7 +220,7 @@ def test_model_rows_name_grid_and_image(tmp_path):
 def test_argument_errors_are_one_line(capsys, argv, message):
     limit = [] if "--max-memory" in argv else ["--max-memory", "1GiB"]
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([maxlen.COMMAND, *argv, *limit, "--device", "cpu"])
+        cli.main([MAX_TOKENS, *argv, *limit, "--device", "cpu"])
     assert exit_info.value.code == 2
     error_lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and message in error_lines[0], error_lines

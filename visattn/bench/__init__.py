@@ -32,9 +32,14 @@ ViT-S) on grids of 512 to 32,768 tokens, at each ``--batch-size``, in the same h
 Max-tokens mode (``visattn-bench max-tokens``): the largest token count each type runs forward and
 trains (batch 1) within ``--max-memory``, by doubling and bisecting, one capped process per trial.
 
+On CUDA (``--device cuda``, ``--dtype bf16``/``fp16``, ``--compile``): steps timed with CUDA events, one
+worker on the GPU at a time, peak memory from ``torch.cuda.max_memory_allocated``; see
+:mod:`~visattn.bench.timing`, and :mod:`~visattn.bench.cli` for the commands of the GPU table.
+
 The modules, in the order a run uses them:
 
-* :mod:`~visattn.bench.cli`: the command line, and the run from arguments to written reports;
+* :mod:`~visattn.bench.cli`: the command lines (the sweep and ``max-tokens``), and the runs from arguments
+  to written reports;
 * :mod:`~visattn.bench.sweep`: the points of a sweep (:class:`~visattn.bench.sweep.Point`), the cases of
   a point (:class:`~visattn.bench.sweep.Case`) and their results to fill
   (:class:`~visattn.bench.sweep.Result`), planned with FLOPs and memory estimates;
@@ -44,34 +49,12 @@ The modules, in the order a run uses them:
 * :mod:`~visattn.bench.timing`: the worker processes and the interleaved timing rounds;
 * :mod:`~visattn.bench.memory`: peak memory of a worker, and which workers fit the machine at once;
 * :mod:`~visattn.bench.ratios`: the ratios between rows, round by round, with their spread;
-* :mod:`~visattn.bench.report`: tables, CSV, plot, scaling exponents and crossovers;
+* :mod:`~visattn.bench.report`: tables, CSV, plot, scaling exponents and crossovers; the max-tokens tables;
 * :mod:`~visattn.bench.targets`: the speed and memory targets and their check; the seed's claims;
 * :mod:`~visattn.bench.calibrate`: the calibration of ``attn="auto"``;
-* :mod:`~visattn.bench.maxlen`: the max-tokens mode, its search, capped trials and reports.
+* :mod:`~visattn.bench.search`: the max-tokens search (doubling, then bisecting) and its rows;
+* :mod:`~visattn.bench.trial`: one max-tokens trial, a runner stepped in its own capped process.
 """
-from visattn._moved import moved_attributes
 from visattn.bench.cli import main
 
 __all__ = ["main"]
-
-# Names of the single-module benchmark, served from their modules for one release.
-__getattr__ = moved_attributes(
-    __name__,
-    {
-        **{name: f"visattn.bench.cli:{name}" for name in ("build_parser", "run")},
-        **{
-            name: f"visattn.bench.sweep:{name}"
-            for name in (
-                "Case", "Result", "build_model", "timm_reference_name", "plan_model_sweep", "plan_ops_sweep",
-                "MODES", "DTYPES", "TIMM", "FLOOR", "DEFAULT_MODEL",
-            )
-        },
-        **{name: f"visattn.bench.timing:{name}" for name in ("Timing", "measure")},
-        **{
-            name: f"visattn.bench.report:{name}"
-            for name in ("fit_exponent", "crossover_tokens", "summarize", "csv_rows", "markdown_report", "write_csv", "plot")
-        },
-        **{name: f"visattn.bench.targets:{name}" for name in ("SEED_CLAIMS_MS", "SEED_CLAIM_OF_ROW")},
-        "calibrate": "visattn.bench.calibrate:calibrate",
-    },
-)

@@ -1,9 +1,27 @@
-"""The ``visattn-bench`` command line: parse the arguments, plan the sweep, measure it, write the reports."""
+"""The ``visattn-bench`` command line: parse the arguments, plan the sweep, measure it, write the reports;
+``visattn-bench max-tokens``: search the largest token count per type within a memory limit.
+
+Memory sizes (``--max-memory`` of both) are read by :func:`parse_memory`: ``8GiB``, ``512MiB``, ``4GB``; a
+bare number is GiB in both.
+
+The GPU table (ViT-S/16, bf16; each command one row setting, five output folders)::
+
+    visattn-bench --device cuda --dtype bf16 --modes infer --sizes 224 --batch-size 128 --out bench_out/gpu_infer_224
+    visattn-bench --device cuda --dtype bf16 --modes infer --sizes 1024 --batch-size 16 --out bench_out/gpu_infer_1024
+    visattn-bench --device cuda --dtype bf16 --modes infer --sizes 2048 --batch-size 4 --out bench_out/gpu_infer_2048
+    visattn-bench --device cuda --dtype bf16 --modes train --sizes 1024 --batch-size 8 --out bench_out/gpu_train_1024
+    visattn-bench --device cuda --dtype bf16 --modes train --sizes 2048 --batch-size 2 --out bench_out/gpu_train_2048
+
+``--model`` defaults to ``visattn_vit_small_patch16`` (ViT-S/16), against timm's ``vit_small_patch16_224``
+built at each size; add ``--compile`` to time the compiled models (the first warm-up round compiles).
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,10 +30,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from visattn.bench import maxlen
 from visattn.bench.calibrate import calibrate
-from visattn.bench.memory import capacity_bytes
-from visattn.bench.report import csv_rows, markdown_report, plot, summarize, write_csv
+from visattn.bench.memory import available_bytes, capacity_bytes
+from visattn.bench.report import (
+    csv_rows, markdown_report, max_tokens_csv_rows, max_tokens_report, max_tokens_trial_rows, plot, summarize, write_csv,
+)
+from visattn.bench.search import MODEL_REFERENCES, OP_REFERENCES, MaxTokensSweep, Row, square_grid
 from visattn.bench.sweep import (
     DEFAULT_MODEL,
     DTYPES,
@@ -31,12 +51,39 @@ from visattn.bench.sweep import (
     timm_reference_name,
 )
 from visattn.bench.targets import Verdict, check_targets
-from visattn.bench.timing import Timing, measure
+from visattn.bench.timing import Timing, measure, settle_on
+from visattn.bench.trial import Trial
 from visattn.layers import list_attentions
 from visattn.layers.options import options_per_type, parse_key_values
 
 DEFAULT_SIZES = ("224", "512", "1024", "2048")
 DEFAULT_GRIDS = ("16x32", "32x64", "64x128", "128x256")
+MAX_TOKENS = "max-tokens"
+MAX_TOKENS_SUMMARY = "the largest token count each type runs forward and trains within a memory limit"
+DEFAULT_MAX_TOKENS_MEMORY = "16GiB"
+MB = 2**20
+_MEMORY_UNITS = {
+    "": 2**30, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+MEMORY_SYNTAX = "16GiB, 512MiB, 4GB (10^9 bytes); a bare number is GiB"
+
+
+def parse_memory(text: str) -> int:
+    """'16GiB' -> 16 * 2**30 bytes; units B, KiB, MiB, GiB, TiB (powers of 1024) or kB, MB, GB, TB (powers
+    of 1000), in any case; a bare number is GiB. The one syntax of every ``--max-memory``."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and _MEMORY_UNITS.get(match[2].lower())
+    if not unit or float(match[1]) <= 0:
+        raise ValueError(f"expected a positive size such as 16GiB, 512MiB or 4GB (a bare number is GiB), got {text!r}")
+    return int(float(match[1]) * unit)
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_memory(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -60,40 +107,50 @@ def _key_values(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="visattn-bench",
-        description="Throughput and peak memory of the visattn attention types vs timm's fused softmax attention.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog=f"visattn-bench {maxlen.COMMAND} [--help]: {maxlen.SUMMARY}.",
-    )
-    p.add_argument("--ops", action="store_true", help="time the attention ops alone (no model) on --grids")
-    p.add_argument("--calibrate", action="store_true", help="also write the calibration of attn='auto' for --model")
+def _add_shared_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of both commands: the rows, the model and the op, the device, the output folder."""
     p.add_argument("--model", default=DEFAULT_MODEL, help="visattn model (timm name)")
     p.add_argument("--timm-model", help="timm's stock reference model; default: --model without 'visattn_', with '_224'")
-    p.add_argument("--attn", nargs="+", default=list_attentions(), help="attention types (the references timm and floor are added, see --references)")
+    p.add_argument("--attn", nargs="+", default=list_attentions(), help="attention types (beside the reference rows, see --references)")
     p.add_argument(
         "--attn-kwargs", type=_key_values, nargs="*", default=[], metavar="KEY=VALUE",
         help="type options, as in train.py: k=64 for every type that takes it, linformer={k: 64} for one type",
     )
     p.add_argument("--model-kwargs", type=_key_values, nargs="*", default=[], metavar="KEY=VALUE", help="passed to both models, e.g. depth=6")
+    p.add_argument("--num-classes", type=int, default=1000, help="classifier width of both models")
+    p.add_argument("--heads", type=int, default=6, help="heads of --ops")
+    p.add_argument("--head-dim", type=int, default=64, help="head width of --ops")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument(
+        "--dtype", choices=list(DTYPES), default="fp32",
+        help="bf16, fp16: the models under autocast, the op's q, k, v created in the dtype",
+    )
+    p.add_argument("--grad-checkpointing", action="store_true", help="train mode: recompute each block in the backward (timm's set_grad_checkpointing)")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="visattn-bench",
+        description="Throughput and peak memory of the visattn attention types vs timm's fused softmax attention.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"visattn-bench {MAX_TOKENS} [--help]: {MAX_TOKENS_SUMMARY}.",
+    )
+    p.add_argument("--ops", action="store_true", help="time the attention ops alone (no model) on --grids")
+    p.add_argument("--calibrate", action="store_true", help="also write the calibration of attn='auto' for --model")
+    _add_shared_arguments(p)
     p.add_argument("--sizes", type=_size, nargs="+", default=[_size(s) for s in DEFAULT_SIZES], help="image sizes: N or HxW")
     p.add_argument(
         "--train-sizes", type=_size, nargs="+", default=None,
         help="image sizes of the train mode, if not all of --sizes (a 2048^2 softmax training step takes minutes)",
     )
     p.add_argument("--grids", type=_size, nargs="+", default=[_size(s) for s in DEFAULT_GRIDS], help="token grids of --ops")
-    p.add_argument("--heads", type=int, default=6, help="heads of --ops")
-    p.add_argument("--head-dim", type=int, default=64, help="head width of --ops")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="infer: forward; train: forward, backward, AdamW")
     p.add_argument(
         "--batch-size", dest="batch_sizes", type=int, nargs="+", default=[1], metavar="BATCH_SIZE",
         help="images (q, k, v batch in --ops) per step; several values: each is measured at every size",
     )
-    p.add_argument("--num-classes", type=int, default=1000, help="classifier width of both models")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="bf16: autocast mixed precision")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (the op in --ops)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (the op in --ops); the first warm-up round compiles")
     p.add_argument(
         "--references", nargs="*", choices=[TIMM, FLOOR, TILED], default=[TIMM, FLOOR],
         help="reference rows of the model sweep; leave timm out where its step would take too long; tiled: timm's "
@@ -101,26 +158,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tile", type=_size, help="tile size of the tiled row, N or HxW px; default: the timm model's input size")
     p.add_argument("--tile-overlap", type=int, default=0, help="least overlap of the tiled row's tiles, px (a multiple of the patch)")
-    p.add_argument(
-        "--grad-checkpointing", action="store_true", help="train mode: recompute each block in the backward (timm's set_grad_checkpointing)"
-    )
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds")
     p.add_argument("--min-iters", type=int, default=5, help="timed steps per row, at least")
     p.add_argument("--min-seconds", type=float, default=2.0, help="timed seconds per row, at least")
     p.add_argument("--max-seconds", type=float, default=120.0, help="stop timing a row past this many timed seconds")
-    p.add_argument("--settle", type=float, default=0.5, help="rest before each step: as long as the previous step took, at most this many seconds")
     p.add_argument(
-        "--max-memory", type=float,
-        help="GB a configuration may use by estimate, else it is skipped; default: 80%% of RAM (CPU), 90%% of the GPU",
+        "--settle", type=float, default=0.5,
+        help="CPU: rest before each step, as long as the previous step took, at most this many seconds (none on CUDA)",
+    )
+    p.add_argument(
+        "--max-memory", type=_memory, metavar="SIZE",
+        help=f"what a configuration may use by its estimate (a lower bound), else it is skipped: {MEMORY_SYNTAX}; "
+        "default: 80%% of RAM (CPU), 90%% of the GPU",
     )
     p.add_argument("--fit-points", type=int, default=3, help="largest sizes in the scaling-exponent fit")
-    p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory")
     return p
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def build_max_tokens_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"visattn-bench {MAX_TOKENS}",
+        description=f"{MAX_TOKENS_SUMMARY[0].upper()}{MAX_TOKENS_SUMMARY[1:]} (batch 1), one process per trial.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--ops", action="store_true", help="the token mixing alone (beside softmax_explicit) instead of the model")
+    p.add_argument(
+        "--max-memory", type=_memory, default=parse_memory(DEFAULT_MAX_TOKENS_MEMORY), metavar="SIZE",
+        help=f"what a trial may allocate on top of its runtime: {MEMORY_SYNTAX} (default {DEFAULT_MAX_TOKENS_MEMORY})",
+    )
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="infer: forward; train: forward and backward")
+    p.add_argument(
+        "--references", nargs="*", choices=[*MODEL_REFERENCES, *OP_REFERENCES],
+        help=f"rows before --attn; default: {' and '.join(MODEL_REFERENCES)} (model), {' and '.join(OP_REFERENCES)} (--ops)",
+    )
+    _add_shared_arguments(p)
+    p.add_argument("--min-tokens", type=int, default=256, help="first count of the doubling")
+    p.add_argument("--max-tokens", type=int, default=2**20, help="the search's ceiling")
+    p.add_argument("--tolerance", type=float, default=1 / 16, help="bisect until the interval is narrower than this fraction of the count that fits")
+    p.add_argument("--trial-timeout", type=float, default=300.0, help="seconds a trial may take; past it the row's search ends")
+    return p
+
+
+def _check_shared_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, sizes_from: str) -> torch.device:
+    """Check and resolve the arguments of :func:`_add_shared_arguments`; returns the device. ``sizes_from``
+    names what sets the image size, for the error on ``--model-kwargs img_size=...``."""
     unknown = [a for a in args.attn if a not in list_attentions()]
     if unknown:
         parser.error(f"unknown attention(s) {', '.join(unknown)}; valid: {', '.join(list_attentions())}")
@@ -130,15 +211,33 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.attn_kwargs, unused = options_per_type(args.attn, given)
     except ValueError as err:
         parser.error(f"--attn-kwargs: {err}")
-    # Unlike a training recipe, the command line holds only what the user typed for this sweep.
+    # Unlike a training recipe, the command line holds only what the user typed for this run.
     unused += [name for name in given if name in list_attentions() and name not in args.attn]
     if unused:
         parser.error(f"--attn-kwargs: {', '.join(unused)} applies to none of --attn ({', '.join(args.attn)})")
-    args.model_kwargs = {key: value for given in args.model_kwargs for key, value in given.items()}
+    args.model_kwargs = {key: value for words in args.model_kwargs for key, value in words.items()}
     taken = {"img_size", "num_classes", "attn", "attn_kwargs"} & set(args.model_kwargs)
     if taken:
-        parser.error(f"--model-kwargs cannot set {', '.join(sorted(taken))}; use --sizes, --num-classes, --attn, --attn-kwargs")
-    for name in ("num_classes", "heads", "head_dim", "min_iters", "fit_points"):
+        parser.error(f"--model-kwargs cannot set {', '.join(sorted(taken))}; {sizes_from}")
+    for name in ("num_classes", "heads", "head_dim"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    device = torch.device(args.device)
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        parser.error(f"--device must be cpu or an available cuda device, got {args.device!r}")
+    if not args.ops:
+        try:
+            args.timm_model = args.timm_model or timm_reference_name(args.model)
+        except ValueError as err:
+            parser.error(str(err))
+    return device
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    device = _check_shared_arguments(parser, args, "use --sizes, --num-classes, --attn, --attn-kwargs")
+    for name in ("min_iters", "fit_points"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if min(args.batch_sizes) < 1:
@@ -147,24 +246,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     finite = all(math.isfinite(s) for s in (args.min_seconds, args.settle, args.max_seconds))
     if not finite or args.warmup < 0 or args.min_seconds < 0 or args.settle < 0 or args.max_seconds <= 0:
         parser.error("--warmup, --min-seconds and --settle must be >= 0 and --max-seconds > 0")
+    if args.compile and args.warmup < 1:
+        parser.error("--compile needs --warmup >= 1: the first step compiles, and it must not be timed")
     if args.calibrate and args.ops:
         parser.error("--calibrate measures the model sweep; it cannot be combined with --ops")
     if args.grad_checkpointing and (args.ops or "train" not in args.modes):
         parser.error("--grad-checkpointing applies to the model sweep's train mode; add --modes train, without --ops")
-    device = torch.device(args.device)
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
-        parser.error(f"--device must be cpu or an available cuda device, got {args.device!r}")
     args.capacity_bytes = capacity_bytes(device)
-    if args.max_memory is not None and args.max_memory <= 0:
-        parser.error("--max-memory must be > 0")
     if args.train_sizes is not None and not set(args.train_sizes) <= set(args.sizes):
         parser.error(f"--train-sizes must be among --sizes {args.sizes}, got {args.train_sizes}")
-    args.max_memory_bytes = args.capacity_bytes if args.max_memory is None else int(args.max_memory * 2**30)
+    args.max_memory_bytes = args.capacity_bytes if args.max_memory is None else args.max_memory
     if not args.ops:
-        try:
-            args.timm_model = args.timm_model or timm_reference_name(args.model)
-        except ValueError as err:
-            parser.error(str(err))
         args.tile = args.tile or default_tile(args.timm_model)
         if TILED in args.references:
             try:
@@ -177,7 +269,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
     """Plan, measure, write the outputs; returns the results and the summary."""
     plan = plan_ops_sweep(args) if args.ops else plan_model_sweep(args)
-    timing = Timing(args.warmup, args.min_iters, args.min_seconds, args.max_seconds, args.settle)
+    settle = settle_on(torch.device(args.device), args.settle)
+    timing = Timing(args.warmup, args.min_iters, args.min_seconds, args.max_seconds, settle)
     with tqdm(total=sum(len(g) for g in plan), unit="config", file=sys.stderr, dynamic_ncols=True) as progress:
         for group in plan:
             measure(group, timing, args.max_memory_bytes, args.capacity_bytes, progress)
@@ -222,9 +315,79 @@ def _verdict_summary(v: Verdict) -> dict[str, Any]:
     return entry | {"verdict": "met" if v.met else "missed", "decided_by_spread": v.decided_by_spread}
 
 
+def parse_max_tokens_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments of ``visattn-bench max-tokens``, checked, with the run's rows (``args.sweep``)."""
+    parser = build_max_tokens_parser()
+    args = parser.parse_args(argv)
+    allowed = list(OP_REFERENCES if args.ops else MODEL_REFERENCES)
+    args.references = allowed if args.references is None else list(dict.fromkeys(args.references))
+    if not set(args.references) <= set(allowed):
+        parser.error(f"--references: {'--ops' if args.ops else 'the model'} takes {' and '.join(allowed)}, got {' '.join(args.references)}")
+    device = _check_shared_arguments(parser, args, "the search sets the image size")
+    if args.min_tokens < 1:
+        parser.error("--min-tokens must be >= 1")
+    if args.max_tokens < args.min_tokens:
+        parser.error(f"--max-tokens must be >= --min-tokens ({args.min_tokens}), got {args.max_tokens}")
+    if not 0 <= args.tolerance < 1:
+        parser.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
+    if not args.trial_timeout > 0:
+        parser.error(f"--trial-timeout must be > 0, got {args.trial_timeout}")
+    if args.grad_checkpointing and (args.ops or "train" not in args.modes):
+        parser.error("--grad-checkpointing applies to the model's train mode; add --modes train, without --ops")
+    if device.type == "cpu":
+        if not sys.platform.startswith("linux"):
+            parser.error("on CPU the memory cap needs Linux (RLIMIT_DATA and /proc); use a cuda device")
+        available = available_bytes()
+        if args.max_memory > available:
+            parser.error(
+                f"--max-memory {args.max_memory / 2**30:.3g} GiB is more than the {available / 2**30:.3g} GiB this machine "
+                "has available: a trial could take memory other processes need; lower it"
+            )
+    try:
+        args.sweep = MaxTokensSweep(args)
+        if not args.sweep.rows:
+            parser.error("no rows: --attn leaves only floor, which --ops does not run, and --references is empty")
+        args.sweep.check(square_grid(args.min_tokens))
+    except (ValueError, TypeError, RuntimeError) as err:  # timm: RuntimeError for an unknown model name
+        parser.error(f"cannot build the rows at {args.min_tokens} tokens: {err}")
+    return args
+
+
+def _trial_progress(row: Row, trial: Trial) -> None:
+    peak = "" if trial.peak_bytes is None else f", peak {trial.peak_bytes / MB:,.0f} MB"
+    why = f": {trial.message}" if trial.status != "ok" else ""
+    print(f"{row.attn} {row.mode} {trial.tokens:,} tokens ({trial.grid[0]}x{trial.grid[1]}): "
+          f"{trial.status} in {trial.seconds:.1f} s{peak}{why}", file=sys.stderr, flush=True)
+
+
+def run_max_tokens(args: argparse.Namespace) -> list[Row]:
+    """Search every row in every mode, write ``maxlen.md``, ``maxlen.csv`` and ``maxlen_trials.csv``."""
+    sweep = args.sweep
+    rows = [sweep.search(attn, mode, _trial_progress) for attn in sweep.rows for mode in args.modes]
+    report = max_tokens_report(rows, sweep)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "maxlen.md").write_text(report)
+    write_csv(max_tokens_csv_rows(rows, sweep), args.out / "maxlen.csv")
+    write_csv(max_tokens_trial_rows(rows), args.out / "maxlen_trials.csv")
+    print(report, end="")
+    print(f"wrote maxlen.md, maxlen.csv, maxlen_trials.csv in {args.out}", file=sys.stderr)
+    return rows
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == [maxlen.COMMAND]:
-        return maxlen.main(argv[1:])
+    if argv[:1] == [MAX_TOKENS]:
+        args = parse_max_tokens_args(argv[1:])
+        # A terminated run unwinds like an interrupted one, so that run_trial ends the trial it waits for.
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            run_max_tokens(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return 0
     run(_parse(argv))
     return 0

@@ -30,6 +30,24 @@ def memory_bytes(device: torch.device, peak: bool) -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def proc_status_bytes(name: str) -> int:
+    """A value in kB of ``/proc/self/status`` (Linux), in bytes: ``VmRSS``, ``VmHWM``, ``VmData``."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{name}:"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {name}")
+
+
+def available_bytes() -> int:
+    """MemAvailable of ``/proc/meminfo``: what the machine can give without swapping or taking others' memory."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
 def capacity_bytes(device: torch.device) -> int:
     """What the workers may use together: 90% of the GPU, or 80% of the machine's RAM."""
     if device.type == "cuda":

@@ -7,7 +7,9 @@ the median over the rounds with its interquartile range (:class:`Spread`).
 
 Where the two rows were timed in different memory groups (:func:`visattn.bench.memory.groups_that_fit`)
 they share no round; floor, which joins every group, then links them: the ratio's values are every
-quotient of the first row's per-round ratios to floor by the second row's.
+quotient of the first row's per-round ratios to floor by the second row's. On CUDA every row runs alone
+(:func:`visattn.bench.timing.worker_groups`) and no round is shared: the ratio's values are then every
+quotient of a step of the one row by a step of the other.
 """
 from __future__ import annotations
 
@@ -62,12 +64,19 @@ def _ratios(own: Result, reference: Result) -> list[float]:
 
 def rate_ratio(own: Result, reference: Result, link: Result | None = None) -> Spread | None:
     """``own``'s images/s over ``reference``'s, per round (see the module docstring); through ``link``
-    (floor) where the two share no round. None where either did not run or no round connects them."""
+    (floor) where the two share no round, step by step on CUDA. None where either did not run or no round
+    connects them."""
     if not (own.ok and reference.ok):
         return None
     paired = _ratios(own, reference)
     if paired:
         return spread(paired)
+    if own.case.device.startswith("cuda"):
+        unpaired = [
+            (own.case.batch_size / mine) / (reference.case.batch_size / theirs)
+            for mine in own.times for theirs in reference.times
+        ]
+        return spread(unpaired, rounds=min(len(own.times), len(reference.times)))
     if link is None or not link.ok:
         return None
     mine, theirs = _ratios(own, link), _ratios(reference, link)

@@ -1,9 +1,12 @@
 """What a sweep reports: the markdown tables, the CSV (timm's column names), the plot, and the analysis
-behind them (scaling exponents and crossovers per mode and batch size, the targets check).
+behind them (scaling exponents and crossovers per mode and batch size, the targets check); and the
+tables of a ``max-tokens`` run (:mod:`visattn.bench.search`).
 
 Every table, CSV row, plot panel, exponent and crossover is of one batch size: a point's rows are compared
 only with the references of the same image size, mode and batch. ``% floor`` and ``x timm`` are medians of
-per-round ratios with their interquartile range (:mod:`visattn.bench.ratios`)."""
+per-round ratios with their interquartile range (:mod:`visattn.bench.ratios`). ``est. MB (lower bound)``
+(``*_mem_estimate_mb`` in the CSV) is the plan's analytic estimate, which the sweep uses to skip and to
+group: measured peaks on CPU have been 2.5 to 4 times above it, so it is a lower bound, not a forecast."""
 from __future__ import annotations
 
 import csv
@@ -14,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from visattn.bench.ratios import Spread, rate_ratio
+from visattn.bench.search import MaxTokensSweep, Row
 from visattn.bench.sweep import FLOOR, TILED, TIMM, Result
-from visattn.bench.targets import MIN_ROUNDS, Verdict, seed_claim
+from visattn.bench.targets import MIN_ROUNDS, SEED_CLAIM_OF_ROW, SEED_MAX_TOKENS, Verdict, seed_claim
 
 MB = 2**20
 
@@ -223,7 +227,7 @@ def _table_cells(r: Result, results: list[Result]) -> dict[str, str]:
     else:
         cells[speed_column] = _status_cell(r)
     cells |= {"GFLOPs" if ops else "GFLOPs/img": _fmt(r.flops / 1e9, 4)}
-    cells |= {"peak MB": _fmt(_mb(r.peak_bytes), 6), "est. MB": _fmt(_mb(r.estimate_bytes), 6)}
+    cells |= {"peak MB": _fmt(_mb(r.peak_bytes), 6), "est. MB (lower bound)": _fmt(_mb(r.estimate_bytes), 6)}
     if not ops:
         cells["params (M)"] = _fmt(r.param_count / 1e6)
     return cells
@@ -297,10 +301,10 @@ def markdown_report(
     for mode, batch_size in settings:
         if ops:
             header = ["attn", "grid", "tokens", "ms/step"] + (["seed claim (ms)"] if mode == "infer" else [])
-            header += ["GFLOPs", "GFLOP/s", "peak MB", "est. MB"]
+            header += ["GFLOPs", "GFLOP/s", "peak MB", "est. MB (lower bound)"]
         else:
             header = ["attn", "img", "tokens", "images/s", "tokens/s", "ms/step", "GFLOPs/img", "GFLOP/s",
-                      "% floor (IQR)", "x timm (IQR)", "peak MB", "est. MB", "params (M)"]
+                      "% floor (IQR)", "x timm (IQR)", "peak MB", "est. MB (lower bound)", "params (M)"]
         lines += [f"## {titles[mode]}, batch {batch_size}", ""]
         rows = (r for r in results if (r.case.mode, r.case.batch_size) == (mode, batch_size))
         lines += _markdown_table(header, (_table_cells(r, results) for r in rows))
@@ -332,6 +336,114 @@ def markdown_report(
     if verdicts is not None:
         lines += targets_report(verdicts)
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Max tokens
+
+
+def _grid_label(grid: tuple[int, int], patch: tuple[int, int], ops: bool) -> str:
+    label = f"{grid[0]}×{grid[1]}"
+    return label if ops else f"{label} ({grid[0] * patch[0]}×{grid[1] * patch[1]} px)"
+
+
+def _seed_claim(attn: str) -> str:
+    kind = SEED_CLAIM_OF_ROW.get("softmax" if attn == TIMM else attn)
+    return "" if kind is None else f"{kind}: ~{SEED_MAX_TOKENS[kind]:,}"
+
+
+def _stop_text(row: Row, patch: tuple[int, int], ops: bool) -> str:
+    failing = row.failing
+    if row.error:
+        return f"error: {row.error}"
+    if failing is None:
+        return "fits at --max-tokens"
+    where = f"{failing.tokens:,} tokens, {_grid_label(failing.grid, patch, ops)}"
+    return {"oom": f"out of memory at {where}", "time": f"time limit at {where}"}.get(failing.status, where)
+
+
+def _largest_text(row: Row) -> str:
+    """The largest count that fitted; "≥" where no limit was reached above it (time, --max-tokens)."""
+    largest = row.largest
+    if row.search is None or (largest is None and row.stopped_by == "time"):
+        return "?"
+    if largest is None:
+        return f"< {row.search.trials[0][0]:,}"
+    bound = "≥ " if row.stopped_by in ("time", "ceiling") else ""
+    return f"{bound}{largest.tokens:,}"
+
+
+def max_tokens_csv_rows(rows: list[Row], sweep: MaxTokensSweep) -> list[dict[str, Any]]:
+    """One row per type and mode: the largest fitting grid, the first failing one and why."""
+    out = []
+    for row in rows:
+        largest, failing = row.largest, row.failing
+        record: dict[str, Any] = {"attn": row.attn, "mode": row.mode, "max_tokens": largest.tokens if largest else None}
+        record["grid"] = f"{largest.grid[0]}x{largest.grid[1]}" if largest else None
+        if not sweep.args.ops:
+            record["img_size"] = f"{largest.case.size[0]}x{largest.case.size[1]}" if largest else None
+        record |= {
+            "peak_mem_mb": round(largest.peak_bytes / MB, 1) if largest and largest.peak_bytes is not None else None,
+            "failed_tokens": failing.tokens if failing else None,
+            "stopped_by": row.stopped_by,
+            "message": row.error or (failing.message if failing else ""),
+            "trials": len(row.trials),
+            "seconds": round(sum(t.seconds for t in row.trials.values()), 1),
+            "seed_claim": _seed_claim(row.attn),
+        }
+        out.append(record)
+    return out
+
+
+def max_tokens_trial_rows(rows: list[Row]) -> list[dict[str, Any]]:
+    """Every trial, in the order run."""
+    return [
+        {
+            "attn": row.attn, "mode": row.mode, "tokens": t.tokens, "grid": f"{t.grid[0]}x{t.grid[1]}", "status": t.status,
+            "seconds": round(t.seconds, 2), "peak_mem_mb": None if t.peak_bytes is None else round(t.peak_bytes / MB, 1),
+            "message": t.message,
+        }
+        for row in rows
+        for t in row.trials.values()
+    ]
+
+
+def max_tokens_report(rows: list[Row], sweep: MaxTokensSweep) -> str:
+    """The markdown table of a ``max-tokens`` run: per type and mode, the largest count that fitted, its
+    grid, its peak, and what stopped the search."""
+    a = sweep.args
+    options = ", ".join(f"{key}={value}" for key, value in a.model_kwargs.items())
+    what = f"token mixing alone, {a.heads} heads x {a.head_dim}" if a.ops else f"{a.model}" + (f" ({options})" if options else "")
+    lines = [
+        f"# max tokens within {a.max_memory / 2**30:.4g} GiB: {what}, batch 1, {a.device} {a.dtype}"
+        + (", gradient checkpointing" if a.grad_checkpointing else ""),
+        "",
+        f"Doubling from {a.min_tokens:,} tokens up to {a.max_tokens:,}, then bisecting to within {100 * a.tolerance:.3g}%; "
+        f"a trial may take {a.trial_timeout:g} s; ≥: the memory limit was not reached.",
+        "",
+    ]
+    by_key = {(r.attn, r.mode): r for r in rows}
+    header = ["attn"]
+    for mode in a.modes:
+        name = "forward" if mode == "infer" else "training"
+        header += [f"{name}: max tokens", f"{name}: grid", f"{name}: peak MB", f"{name}: stopped by"]
+    header.append("seed claim")
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for attn in sweep.rows:
+        cells = [f"`{attn}`"]
+        for mode in a.modes:
+            row = by_key[attn, mode]
+            largest = row.largest
+            peak = "" if largest is None or largest.peak_bytes is None else f"{largest.peak_bytes / MB:,.0f}"
+            grid = "" if largest is None else _grid_label(largest.grid, sweep.patch, a.ops)
+            cells += [_largest_text(row), grid, peak, _stop_text(row, sweep.patch, a.ops)]
+        cells.append(_seed_claim(attn))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Files
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:

@@ -2,7 +2,8 @@
 
 * :class:`ModelInference`: the model's forward under ``inference_mode``;
 * :class:`ModelTraining`: forward, backward and an AdamW step;
-* :class:`OpInference`: the token mixing alone (no projections) on random q, k, v;
+* :class:`OpInference`: the token mixing alone (no projections) on random q, k, v created in the case's
+  dtype (and run under autocast in bf16/fp16, for the layer's own parameters);
 * :class:`OpTraining`: the token mixing and its backward.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Runner(ABC):
         self.param_count = 0
 
     def autocast(self) -> Any:
+        """Mixed precision in bf16/fp16; a no-op in fp32."""
         dtype = DTYPES[self.case.dtype]
         return torch.autocast(device_type=self.device.type, dtype=dtype, enabled=self.case.dtype != "fp32")
 
@@ -85,10 +87,11 @@ class _OpRunner(Runner):
     def __init__(self, case: Case) -> None:
         super().__init__(case)
         h, d, grid = case.num_heads, case.head_dim, case.size
+        dtype = DTYPES[case.dtype]
         self.qkv = [
-            torch.randn(case.batch_size, h, grid[0] * grid[1], d, device=self.device, requires_grad=self.trains)
+            torch.randn(case.batch_size, h, grid[0] * grid[1], d, device=self.device, dtype=dtype, requires_grad=self.trains)
             for _ in range(3)
-        ]  # (B, heads, N, d) each
+        ]  # (B, heads, N, d) each, in the dtype asked
         self.layer: GridAttention | None = None
         if case.attn == EXPLICIT_SOFTMAX:
             mix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = naive_softmax_attn

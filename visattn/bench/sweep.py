@@ -18,7 +18,7 @@ from visattn.layers.cost import MixingMemory, TokenLayout
 from visattn.tiled import TiledViT, tile_layout
 
 MODES = ("infer", "train")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIMM = visattn.models.TIMM_ATTENTION  # the stock timm ViT, the reference: one name with attn="timm"
 FLOOR = "floor"
 # timm's stock model at its own resolution, run on tiles of the image (visattn.tiled).

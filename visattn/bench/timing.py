@@ -6,21 +6,28 @@
 * The workers of one size (every row, in every mode) are started together and ended before the next
   size; the parent drives interleaved rounds (A B C A B C ...): each worker in turn runs one step,
   timed inside the worker, and reports back. Drift of a shared machine thus hits every row alike. Each
-  request times one step with ``time.perf_counter`` (after a CUDA synchronize) rather than with
+  request times one step (:func:`step_timer`): ``time.perf_counter`` on CPU, two CUDA events on a GPU
+  (the device synchronised before and after, not inside), rather than with
   ``torch.utils.benchmark.Timer``, whose runs of many steps would undo the interleaving.
 * Idle OpenMP threads sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE`` unless set), so that a
   waiting worker takes no CPU from the one being timed and no type is penalised for its many small ops.
-* Before each step the parent rests as long as the previous step took, at most ``--settle`` seconds,
+* On CUDA every row runs alone, one worker process at a time (:func:`worker_groups`): only one model
+  and one caching allocator on the GPU. Its steps are consecutive rounds of its own, without a rest;
+  :mod:`visattn.bench.ratios` compares such rows step by step. A GPU held by one process drifts far less
+  than a CPU shared with others, which is what the interleaving guards against.
+* On CPU, before each step the parent rests as long as the previous step took, at most ``--settle`` seconds,
   so that the previous worker's step has faded from the machine: a step of many small ops that
   directly follows a long step of another worker runs slower, which would make a row's time depend on
-  the row order. The rest costs little where steps are short.
+  the row order. The rest costs little where steps are short. ``--compile`` compiles in the first
+  untimed round (the CLI asks for at least one).
 * After ``--warmup`` untimed rounds, a row is timed until it has ``--min-iters`` steps and
   ``--min-seconds`` of timed steps, or once its timed steps exceed ``--max-seconds``; floor steps in
   every round while any row of its group does. Rows report the
   median step; each timed step keeps the serial of its round, from which :mod:`visattn.bench.ratios`
-  forms the ratios between rows round by round. An out-of-memory error, or a worker killed by the
-  system, is reported in its row.
-* Where the workers of one point do not fit the machine together, they run in consecutive groups
+  forms the ratios between rows round by round. An out-of-memory error (``torch.cuda.OutOfMemoryError``
+  included, after which the worker empties the CUDA cache), or a worker killed by the system, is
+  reported in its row and the sweep goes on.
+* On CPU, where the workers of one point do not fit the machine together, they run in consecutive groups
   (:func:`~visattn.bench.memory.groups_that_fit`), floor in each of them: its steps gather over the
   groups, and its peak memory is that of its last worker.
 """
@@ -31,7 +38,7 @@ import itertools
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,19 +82,61 @@ def classify_failure(err: BaseException) -> tuple[str, str]:
     return ("oom" if out_of_memory else "error"), text
 
 
+def handle_failure(err: BaseException, device: torch.device) -> tuple[str, str]:
+    """:func:`classify_failure`; after an out-of-memory error on CUDA, the allocator's cache is emptied
+    so that the process's memory goes back to the GPU (``torch.cuda.OutOfMemoryError`` is caught like
+    any other error: it ends the row, never the sweep)."""
+    status, text = classify_failure(err)
+    if status == "oom" and device.type == "cuda":
+        torch.cuda.empty_cache()
+    return status, text
+
+
+def time_on_cpu(step: Callable[[], None]) -> float:
+    """Seconds of one ``step()`` by the wall clock."""
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def time_with_cuda_events(step: Callable[[], None]) -> float:
+    """Seconds of one ``step()`` on the GPU, between two CUDA events: the device is synchronised before
+    the first and after the second, never inside the timed region."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def step_timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    """How a worker times a step on ``device``: CUDA events on a GPU, the wall clock on CPU."""
+    return time_with_cuda_events if device.type == "cuda" else time_on_cpu
+
+
+def settle_on(device: torch.device, settle: float) -> float:
+    """The rest before each step: ``settle`` on CPU (see the module docstring); none on CUDA, where one
+    process holds the GPU at a time and CUDA events time the device alone."""
+    return 0.0 if device.type == "cuda" else settle
+
+
 def _worker_main(conn: Any, case: Case) -> None:
     """Build the case, then serve "step" (one timed step) and "finish" (peak memory) requests."""
     device = torch.device(case.device)
+    timer = step_timer(device)
     try:
         torch.manual_seed(0)
-        if device.index is not None:
+        if device.type == "cuda":
             torch.cuda.set_device(device)
+            torch.cuda.reset_peak_memory_stats(device)
         runner = build_runner(case)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         conn.send(("ready", runner.param_count, memory_bytes(device, peak=False)))
     except Exception as err:  # reported in the row, never a crash of the sweep
-        conn.send(("failed", *classify_failure(err)))
+        conn.send(("failed", *handle_failure(err, device)))
         return
     while True:
         request = conn.recv()
@@ -95,15 +144,9 @@ def _worker_main(conn: Any, case: Case) -> None:
             conn.send(("peak", memory_bytes(device, peak=True)))
             return
         try:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            runner.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            conn.send(("time", time.perf_counter() - start))
+            conn.send(("time", timer(runner.step)))
         except Exception as err:
-            conn.send(("failed", *classify_failure(err)))
+            conn.send(("failed", *handle_failure(err, device)))
             return
 
 
@@ -146,14 +189,14 @@ class _Worker:
             self.process.join()
 
 
-def _process_context() -> Any:
+def process_context() -> Any:
     """Workers fork from a server that has imported the benchmark (and torch, timm) once, where the
     platform has one; a fresh interpreter per worker otherwise. Neither inherits the parent's threads or
     memory."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["visattn.bench.timing"])
+    ctx.set_forkserver_preload([__name__])
     return ctx
 
 
@@ -176,7 +219,7 @@ def _worker_environment() -> Iterator[None]:
 def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None:
     """Run the workers of ``results`` together in interleaved rounds; fill in the results."""
     with _worker_environment():
-        workers = [_Worker(_process_context(), r) for r in results]
+        workers = [_Worker(process_context(), r) for r in results]
     live: list[_Worker] = []
     for w in workers:
         reply = w.ask(None)
@@ -225,13 +268,26 @@ def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None
         w.close()
 
 
+def worker_groups(runnable: list[Result], capacity: int) -> tuple[list[list[Result]], list[Result]]:
+    """The groups of workers that live together, and the rows shared by every group (floor).
+
+    CPU: groups whose estimates fit ``capacity`` together, floor in each
+    (:func:`~visattn.bench.memory.groups_that_fit`). CUDA: one worker at a time, alone on the GPU, so that
+    no other process's model or cached memory sits beside it; no row is shared.
+    """
+    if any(torch.device(r.case.device).type == "cuda" for r in runnable):
+        return [[r] for r in runnable], []
+    shared = [r for r in runnable if r.case.attn == FLOOR]
+    return groups_that_fit(runnable, capacity, shared), shared
+
+
 def measure(results: list[Result], timing: Timing, max_memory: int, capacity: int, progress: Any) -> None:
-    """Skip the configurations estimated above ``max_memory``, then measure the rest of one point, in
-    groups whose workers fit the machine's ``capacity`` together, floor's in every group."""
+    """Skip the configurations estimated above ``max_memory``, then measure the rest of one point in the
+    groups of :func:`worker_groups`."""
     runnable = skip_over_budget(results, max_memory)
     progress.update(len(results) - len(runnable))
-    shared = [r for r in runnable if r.case.attn == FLOOR]
-    for group in groups_that_fit(runnable, capacity, shared):
+    groups, shared = worker_groups(runnable, capacity)
+    for group in groups:
         # A floor that failed in an earlier group is not started again: its failure stands for the point
         # (the report shows it), and rows of later groups get no ratio to floor.
         _measure_group([r for r in group if r.status == "ok" or r not in shared], timing, progress)

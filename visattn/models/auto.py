@@ -13,6 +13,12 @@ own (by ratio: 16 is nearer 64 than 1), so calibrate at the batch size you run a
 token count outside the calibrated range is still served, by the nearest batch size's thresholds, and
 logged as a warning.
 
+Devices: the thresholds above were measured on a CPU and apply to CPU models only. On CUDA a
+calibration measured on a GPU (``visattn-bench --device cuda --calibrate``) is used where there is one;
+without it, :func:`cuda_choice` decides from the layers' cost models by a provisional rule, not yet
+checked against a GPU measurement. The device is the ``device`` argument of :func:`select_attention`,
+else torch's default device (``with torch.device("cuda"): timm.create_model(..., attn="auto")``).
+
 The choice is made once, when the model is built, for the image size it is built with
 (``timm.create_model(..., img_size=...)``). It does not follow the grid of later inputs
 (``dynamic_img_size=True``): the candidate types carry different parameters (linear's locality
@@ -32,7 +38,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from visattn.layers import list_attentions
+import torch
+
+from visattn.layers import get_attention, list_attentions
+from visattn.layers.cost import TokenLayout
 from visattn.models.shapes import MODEL_SHAPES, patch_grid
 
 logger = logging.getLogger(__name__)
@@ -62,6 +71,34 @@ DEFAULT_CALIBRATION: dict[int, BatchCalibration] = {1: BatchCalibration(DEFAULT_
 
 # The types auto chooses among: every attention of the registry; "floor" mixes no tokens.
 NOT_CHOSEN = frozenset({"floor"})
+
+# CUDA without a GPU calibration (provisional until measured on a GPU): timm's softmax runs FlashAttention
+# (dense tensor-core matmuls), which the other types' kernels are assumed to reach at 1/CUDA_EFFICIENCY_GAP
+# of its FLOP rate. A type other than softmax is chosen only where its mixing FLOPs, times that gap, are
+# below softmax's, and then the type of fewest mixing FLOPs: with ViT-S (6 heads of 64) softmax up to
+# 1,024 patch tokens (512 px) and neighborhood from 1,600 (640 px) on.
+CUDA_EFFICIENCY_GAP = 25
+CUDA_FALLBACK_HEADS = (6, 64)  # (heads, head width) of a model not in MODEL_SHAPES: ViT-S
+
+
+def cuda_choice(model_name: str, grid: tuple[int, int], gap: float = CUDA_EFFICIENCY_GAP) -> str:
+    """The type :func:`select_attention` picks on CUDA without a GPU calibration, from the layers' cost
+    models (``mixing_flops`` with each type's default options at ``grid``, one class token): ``softmax``
+    unless another type's mixing FLOPs times ``gap`` are below softmax's, then the cheapest of those.
+    Provisional: the gap is an assumption, not a measurement."""
+    shape = MODEL_SHAPES.get(model_name)
+    heads, head_dim = CUDA_FALLBACK_HEADS if shape is None else (shape["num_heads"], shape["embed_dim"] // shape["num_heads"])
+    layout = TokenLayout(tuple(grid), 1)
+    flops = {}
+    for name in list_attentions():
+        if name in NOT_CHOSEN:
+            continue
+        options = get_attention(name).type_options()
+        if "ref_grid" in options:
+            options["ref_grid"] = tuple(grid)
+        flops[name] = get_attention(name).mixing_flops(layout, heads, head_dim, options)
+    cheapest = min((n for n in flops if n != "softmax"), key=flops.get)
+    return cheapest if gap * flops[cheapest] < flops["softmax"] else "softmax"
 
 
 def calibration_path() -> Path:
@@ -184,13 +221,14 @@ def _batch_calibration(entry: Mapping[str, Any]) -> BatchCalibration:
     return BatchCalibration(thresholds, (low, high))
 
 
-def _calibrated(model_name: str, path: Path) -> dict[int, BatchCalibration] | None:
-    """The calibration of ``model_name`` by batch size, or None (with a warning if the file is unusable)."""
+def _calibrated(model_name: str, path: Path, device_type: str = "cpu") -> dict[int, BatchCalibration] | None:
+    """The calibration of ``model_name`` by batch size measured on a device of ``device_type`` (``cpu``,
+    ``cuda``), or None (with a warning if the file is unusable)."""
     if not path.exists():
         return None
     try:
         entry = _read(path)["models"].get(model_name)
-        if entry is None:
+        if entry is None or torch.device(entry.get("device", "cpu")).type != device_type:
             return None
         batches = {int(b): _batch_calibration(c) for b, c in entry["batches"].items()}
         if not batches or min(batches) < 1:
@@ -218,22 +256,39 @@ def check_auto_batch_size(attn: Any, auto_batch_size: int | None) -> None:
 
 
 def select_attention(
-    model_name: str, img_size: tuple[int, int], patch_size: tuple[int, int] | None = None, batch_size: int = 1
+    model_name: str,
+    img_size: tuple[int, int],
+    patch_size: tuple[int, int] | None = None,
+    batch_size: int = 1,
+    device: str | torch.device | None = None,
 ) -> str:
     """The fastest attention type for ``model_name`` on images of ``img_size`` (height, width) pixels, in
-    batches of ``batch_size``.
+    batches of ``batch_size``, on ``device`` (default: torch's default device).
 
+    On CUDA: this machine's GPU calibration of the model if there is one, else :func:`cuda_choice`
+    (provisional, see the module docstring). On CPU:
     The choice goes by patch tokens, counted with ``patch_size`` (a model built with another patch size
     than its name's) or else the name's, with the thresholds calibrated at the batch size nearest to
-    ``batch_size`` (:func:`nearest_batch_size`). Uses this machine's calibration of the model if there
-    is one, else :data:`DEFAULT_CALIBRATION`. The choice is logged at INFO level; a batch size or token
+    ``batch_size`` (:func:`nearest_batch_size`). Uses this machine's CPU calibration of the model if
+    there is one, else :data:`DEFAULT_CALIBRATION`. The choice is logged at INFO level; a batch size or token
     count outside the range the calibration measured is logged as a WARNING.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    tokens = num_patch_tokens(model_name, img_size, patch_size)
+    device_type = torch.device(device if device is not None else torch.get_default_device()).type
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    grid = patch_grid(img_size, patch_size or patch_size_of(model_name))
+    tokens = grid[0] * grid[1]
     path = calibration_path()
-    batches = _calibrated(model_name, path)
+    batches = _calibrated(model_name, path, device_type)
+    if batches is None and device_type == "cuda":
+        choice = cuda_choice(model_name, grid)
+        logger.info(
+            "attn='auto': %r for %s at %dx%d px (%d patch tokens) on cuda, from the cost models (provisional rule)",
+            choice, model_name, img_size[0], img_size[1], tokens,
+        )
+        return choice
     source = f"calibration {path}" if batches else "built-in defaults"
     batches = batches or DEFAULT_CALIBRATION
     nearest = nearest_batch_size(batches, batch_size)
