@@ -29,9 +29,9 @@ import visattn
 from visattn import ops
 from visattn.layers import GridAttention, get_attention
 from visattn.layers.longformer import LongformerAttention
-from visattn.ops._layout import merge_heads, split_heads
-from visattn.ops._naive import naive_masked_attn
+from visattn.ops.layout import merge_heads, split_heads
 from visattn.ops.linformer import resample_projection
+from visattn.ops.local.naive import naive_masked_attn
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask

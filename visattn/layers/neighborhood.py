@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from visattn.layers.local import LocalWindowAttention
-from visattn.ops._checks import check_positive_int
+from visattn.ops.checks import check_positive_int
 from visattn.ops.local import AxisTiling, neighborhood_axis, neighborhood_tiling, tiled_local_attn
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_dropout, check_grid, check_nonnegative_int, check_positive_int, check_qkv
-from visattn.ops._naive import naive_masked_attn
+from visattn.ops.checks import check_dropout, check_grid, check_nonnegative_int, check_positive_int, check_qkv
 from visattn.ops.local import AxisPlan, blocked_axis, neighborhood_axis, tiled_local_attn
+from visattn.ops.local.naive import naive_masked_attn
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_dropout, check_positive_int, check_qkv_grid
-from visattn.ops._naive import naive_grid_attn, separable_grid_mask
-from visattn.ops.local import local_attn_on_grid, neighborhood_axis
+from visattn.ops.checks import check_dropout, check_positive_int, check_qkv_grid
+from visattn.ops.local.engine import local_attn_on_grid
+from visattn.ops.local.naive import naive_grid_attn, separable_grid_mask
+from visattn.ops.local.plans import neighborhood_axis
 
 
 def neighborhood_attn(
