@@ -199,9 +199,6 @@ def test_old_module_paths_still_work_with_a_deprecation_warning(old, new, name):
 @pytest.mark.parametrize(
     "old, new",
     [
-        ("visattn.ops.linear_step", "visattn.ops.linear_attn_step"),
-        ("visattn.ops.linear_reference", "visattn.ops.naive_linear_attn"),
-        ("visattn.ops.axial_packed", "visattn.ops.packed_axial_attn"),
         ("visattn.bench.Case", "visattn.bench.sweep.Case"),
         ("visattn.bench.fit_exponent", "visattn.bench.report.fit_exponent"),
     ],

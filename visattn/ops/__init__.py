@@ -1,10 +1,7 @@
 """Functional attention ops: pure functions on tensors, each ``<type>_attn`` with a ``naive_<type>_attn``
 twin (explicit N x N scores with a mask, or explicit sums). Where an op has several paths, the
-choice is made in :mod:`visattn.ops.backends` and can be forced with the op's ``backend=`` argument.
-
-The names before ``<type>_attn`` still resolve for one release, with a DeprecationWarning, except the seven
-bare type names (``visattn.ops.linear`` and the like), which now name the modules."""
-from visattn._moved import moved_attributes
+choice is made in :mod:`visattn.ops.backends` and can be forced with the op's ``backend=`` argument
+(or with :func:`~visattn.ops.backends.force_backend` for every call inside a block)."""
 from visattn.ops.axial import axial_attn, naive_axial_attn, packed_axial_attn
 from visattn.ops.linear import (
     decayed_linear_attn,
@@ -45,20 +42,3 @@ __all__ = [
     "softmax_attn",
     "sparse_attn",
 ]
-
-__getattr__ = moved_attributes(
-    __name__,
-    {
-        "softmax_reference": "visattn.ops:naive_softmax_attn",
-        "linear_reference": "visattn.ops:naive_linear_attn",
-        "linear_step": "visattn.ops:linear_attn_step",
-        "linear_packed": "visattn.ops:packed_linear_attn",
-        "linear_from_input": "visattn.ops:fused_qkv_linear_attn",
-        "axial_reference": "visattn.ops:naive_axial_attn",
-        "axial_packed": "visattn.ops:packed_axial_attn",
-        "neighborhood_reference": "visattn.ops:naive_neighborhood_attn",
-        "sparse_reference": "visattn.ops:naive_sparse_attn",
-        "longformer_reference": "visattn.ops:naive_longformer_attn",
-        "linformer_reference": "visattn.ops:naive_linformer_attn",
-    },
-)
