@@ -6,8 +6,8 @@
     chunked.py  the CPU inference path, tiles a chunk at a time
     naive.py    explicit N x N scores with a mask, the naive twin every op is compared with
 """
-from visattn.ops.local.engine import tiled_local_attn
-from visattn.ops.local.naive import naive_masked_attn, separable_grid_mask
+from visattn.ops.local.engine import LOCAL_PATHS, tiled_local_attn
+from visattn.ops.local.naive import naive_masked_attn, separable_grid_mask, with_prefix_tokens
 from visattn.ops.local.plans import (
     AxisPlan,
     AxisTiling,
@@ -18,6 +18,7 @@ from visattn.ops.local.plans import (
 )
 
 __all__ = [
+    "LOCAL_PATHS",
     "AxisPlan",
     "AxisTiling",
     "blocked_axis",
@@ -27,4 +28,5 @@ __all__ = [
     "neighborhood_tiling",
     "separable_grid_mask",
     "tiled_local_attn",
+    "with_prefix_tokens",
 ]

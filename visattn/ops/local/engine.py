@@ -27,13 +27,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 from visattn.ops.backends import choose_local_backend, needs_autograd, select_backend
 from visattn.ops.cache import cache_per_inference_mode
 from visattn.ops.layout import merge_heads, split_heads, token_major
 from visattn.ops.local.chunked import Sequences, attend_in_chunks
-from visattn.ops.local.naive import separable_grid_mask
+from visattn.ops.local.naive import separable_grid_mask, with_prefix_tokens
 from visattn.ops.local.plans import AxisPlan
 
 
@@ -97,12 +96,79 @@ def _dense_mask(
 ) -> torch.Tensor:
     """(1, 1, N, N) additive mask (0 or -inf) of the whole attention, shared by batch and heads: prefix
     queries see every token, patch queries their window, and the prefix keys if ``prefix_visible``."""
-    p = num_prefix_tokens
-    n = p + rows.length * cols.length
-    allowed = torch.ones(n, n, dtype=torch.bool, device=rows.region_start.device)
-    allowed[p:, :p] = prefix_visible
-    allowed[p:, p:] = separable_grid_mask(rows.axis_mask(), cols.axis_mask())
+    window = separable_grid_mask(rows.axis_mask(), cols.axis_mask())  # (H * W, H * W)
+    allowed = with_prefix_tokens(window, num_prefix_tokens, prefix_visible)  # (N, N)
+    n = allowed.shape[0]
     return torch.zeros(1, 1, n, n, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _self_only(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_visible: bool) -> bool:
+    """Whether every patch query's window is the query itself, and no prefix key joins it."""
+    return not (prefix_visible and num_prefix_tokens) and rows.self_only and cols.self_only
+
+
+def _dense_path(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropout_p, scale) -> torch.Tensor:
+    """All N keys, the windows as an N x N additive mask: one SDPA, differentiable."""
+    mask = _dense_mask(rows, cols, num_prefix_tokens, prefix_visible, q.dtype)
+    # token-major when q is (a view of the qkv projection); else made so, as the other paths return
+    return token_major(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale))
+
+
+def _chunked_path(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropout_p, scale) -> torch.Tensor:
+    """The tiles a chunk at a time through :func:`visattn.ops.local.chunked.attend_in_chunks`: inference only."""
+    B, heads, N, _ = q.shape
+    p = num_prefix_tokens
+    needs_grad = needs_autograd(q, k, v)
+    if needs_grad or dropout_p:
+        raise ValueError(
+            f"tiled_local_attn: backend 'chunked' has no autograd and no dropout; got dropout_p={dropout_p} "
+            f"and inputs {'with' if needs_grad else 'without'} autograd; use 'gathered'"
+        )
+    layout = _tile_layout(rows, cols, p, prefix_visible, q.dtype)
+    tokens = (merge_heads(t).flatten(0, 1) for t in (q, k, v))  # (B * N, heads * d): views of a qkv projection
+    out = attend_in_chunks(*tokens, layout.seqs, B, heads, scale).view(B, N, heads, -1)
+    if p:
+        out[:, :p] = F.scaled_dot_product_attention(q[:, :, :p], k, v, scale=scale).transpose(1, 2)
+    return out.transpose(1, 2)
+
+
+def _gathered_path(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropout_p, scale) -> torch.Tensor:
+    """All tiles gathered at once, one SDPA over them, differentiable; prefix queries over all N keys."""
+    B, heads, _, _ = q.shape
+    p = num_prefix_tokens
+    if _self_only(rows, cols, p, prefix_visible):
+        # softmax over the one key, the query's own: weight exp(s - s) = 1 and gradient 0, both exactly
+        # (the fused kernel's backward would leave rounding noise where the gradient is exactly zero)
+        scores = (q[:, :, p:] * k[:, :, p:]).sum(dim=-1, keepdim=True)
+        weight = F.dropout((scores - scores).exp(), dropout_p) if dropout_p else (scores - scores).exp()
+        out = (v[:, :, p:] * weight).transpose(1, 2)  # (B, H * W, heads, d_v)
+    else:
+        layout = _tile_layout(rows, cols, p, prefix_visible, q.dtype)
+        T, L = layout.seqs.num_seqs, layout.seqs.q_index.shape[1]
+
+        def gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # -> (B * T, heads, slots, d)
+            tokens = merge_heads(t)  # (B, N, heads * d): a view of a qkv projection
+            return split_heads(tokens.index_select(1, index.flatten()).view(B * T, index.shape[1], -1), heads)
+
+        bias = layout.seqs.bias if B == 1 else layout.seqs.bias.repeat(B, 1, 1, 1)
+        out = F.scaled_dot_product_attention(
+            gather(q, layout.seqs.q_index),
+            gather(k, layout.seqs.kv_index),
+            gather(v, layout.seqs.kv_index),
+            attn_mask=bias.expand(-1, heads, -1, -1),  # 4D, so SDPA keeps its fused kernel
+            dropout_p=dropout_p,
+            scale=scale,
+        )  # (B * T, heads, L, d_v)
+        out = out.transpose(1, 2).reshape(B, T * L, heads, -1).index_select(1, layout.out_index)
+    if p:
+        prefix = F.scaled_dot_product_attention(q[:, :, :p], k, v, dropout_p=dropout_p, scale=scale)
+        out = torch.cat([prefix.transpose(1, 2), out], dim=1)  # (B, N, heads, d_v)
+    return out.transpose(1, 2)
+
+
+# backend name (visattn.ops.backends.BACKENDS["local"]) -> path; each takes
+# (q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropout_p, scale) -> (B, heads, N, d_v)
+LOCAL_PATHS = {"chunked": _chunked_path, "gathered": _gathered_path, "dense": _dense_path}
 
 
 def tiled_local_attn(
@@ -126,81 +192,23 @@ def tiled_local_attn(
         rows, cols: the window plan of each axis.
         num_prefix_tokens: P, the tokens before the patches.
         prefix_visible: whether patch queries see the prefix keys (Longformer's global tokens) or not.
-        backend: ``"chunked"`` (tiles a chunk at a time through
+        backend: a name of :data:`LOCAL_PATHS`: ``"chunked"`` (tiles a chunk at a time through
             :func:`visattn.ops.local.chunked.attend_in_chunks`; no autograd, no dropout), ``"gathered"``
             (all tiles at once, differentiable) or ``"dense"`` (all N keys, the windows as an N x N
             mask, differentiable); None: chosen by :func:`visattn.ops.backends.choose_local_backend`.
     Returns:
         (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor.
     """
-    B, heads, N, _ = q.shape
     p = num_prefix_tokens
-    needs_grad = needs_autograd(q, k, v)
-    self_only = not (prefix_visible and p) and rows.self_only and cols.self_only
     name = select_backend(
         "local",
         backend,
         lambda: choose_local_backend(
-            q, needs_grad, dropout_p, self_only, dense_is_cheaper(rows, cols, p, prefix_visible)
+            q,
+            needs_autograd(q, k, v),
+            dropout_p,
+            _self_only(rows, cols, p, prefix_visible),
+            dense_is_cheaper(rows, cols, p, prefix_visible),
         ),
     )
-    if name == "dense":
-        mask = _dense_mask(rows, cols, p, prefix_visible, q.dtype)
-        # token-major when q is (a view of the qkv projection); else made so, as the other paths return
-        return token_major(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale))
-    layout = _tile_layout(rows, cols, p, prefix_visible, q.dtype)
-    if name == "chunked":
-        if needs_grad or dropout_p:
-            raise ValueError(
-                f"tiled_local_attn: backend 'chunked' has no autograd and no dropout; got dropout_p={dropout_p} "
-                f"and inputs {'with' if needs_grad else 'without'} autograd; use 'gathered'"
-            )
-        tokens = (merge_heads(t).flatten(0, 1) for t in (q, k, v))  # (B * N, heads * d): views of a qkv projection
-        out = attend_in_chunks(*tokens, layout.seqs, B, heads, scale).view(B, N, heads, -1)
-        if p:
-            out[:, :p] = F.scaled_dot_product_attention(q[:, :, :p], k, v, scale=scale).transpose(1, 2)
-        return out.transpose(1, 2)
-
-    if self_only:
-        # softmax over the one key, the query's own: weight exp(s - s) = 1 and gradient 0, both exactly
-        # (the fused kernel's backward would leave rounding noise where the gradient is exactly zero)
-        scores = (q[:, :, p:] * k[:, :, p:]).sum(dim=-1, keepdim=True)
-        weight = F.dropout((scores - scores).exp(), dropout_p) if dropout_p else (scores - scores).exp()
-        out = (v[:, :, p:] * weight).transpose(1, 2)  # (B, H * W, heads, d_v)
-    else:
-        T, L = layout.seqs.num_seqs, layout.seqs.q_index.shape[1]
-
-        def gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # -> (B * T, heads, slots, d)
-            tokens = merge_heads(t)  # (B, N, heads * d): a view of a qkv projection
-            return split_heads(tokens.index_select(1, index.flatten()).view(B * T, index.shape[1], -1), heads)
-
-        bias = layout.seqs.bias if B == 1 else layout.seqs.bias.repeat(B, 1, 1, 1)
-        out = F.scaled_dot_product_attention(
-            gather(q, layout.seqs.q_index),
-            gather(k, layout.seqs.kv_index),
-            gather(v, layout.seqs.kv_index),
-            attn_mask=bias.expand(-1, heads, -1, -1),  # 4D, so SDPA keeps its fused kernel
-            dropout_p=dropout_p,
-            scale=scale,
-        )  # (B * T, heads, L, d_v)
-        out = out.transpose(1, 2).reshape(B, T * L, heads, -1).index_select(1, layout.out_index)
-    if p:
-        prefix = F.scaled_dot_product_attention(q[:, :, :p], k, v, dropout_p=dropout_p, scale=scale)
-        out = torch.cat([prefix.transpose(1, 2), out], dim=1)  # (B, N, heads, d_v)
-    return out.transpose(1, 2)
-
-
-def local_attn_on_grid(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rows: AxisPlan,
-    cols: AxisPlan,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    backend: str | None = None,
-) -> torch.Tensor:
-    """:func:`tiled_local_attn` on the grid layout: q, k, v (B, heads, H, W, d) -> (B, heads, H, W, d_v)."""
-    flat = (rearrange(t, "b heads y x d -> b heads (y x) d") for t in (q, k, v))
-    out = tiled_local_attn(*flat, rows, cols, dropout_p=dropout_p, scale=scale, backend=backend)
-    return rearrange(out, "b heads (y x) d -> b heads y x d", y=q.shape[2])
+    return LOCAL_PATHS[name](q, k, v, rows, cols, p, prefix_visible, dropout_p, scale)
