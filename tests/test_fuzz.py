@@ -29,9 +29,9 @@ import visattn
 from visattn import ops
 from visattn.layers import GridAttention, get_attention
 from visattn.layers.longformer import LongformerAttention
-from visattn.ops._layout import merge_heads, split_heads
-from visattn.ops._naive import naive_masked_attn
+from visattn.ops.layout import merge_heads, split_heads
 from visattn.ops.linformer import resample_projection
+from visattn.ops.local.naive import naive_masked_attn
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
@@ -428,11 +428,11 @@ def longformer_calls(draw):
 
 @st.composite
 def grid_local_calls(draw):
-    """neighborhood_attn and sparse_attn on the grid layout (B, heads, H, W, d)."""
-    shape = draw(shapes(max_prefix=0))
+    """neighborhood_attn and sparse_attn on (B, heads, P + H * W, d), prefix tokens first."""
+    shape = draw(shapes())
     op = draw(st.sampled_from(["neighborhood", "sparse"]))
     gen = generator(draw)
-    (q, k, v), dtype = qkv(draw, shape, shape.grid, gen)
+    (q, k, v), dtype = qkv(draw, shape, (shape.tokens,), gen)
     grad = draw(st.booleans())
     backend = draw(st.sampled_from([None, "gathered"] if grad else [None, "chunked", "gathered"]))
     kernel_size, tile_size = draw(st.sampled_from([1, 3, 5, 7, 9])), draw(st.integers(1, 10))
@@ -445,13 +445,20 @@ def grid_local_calls(draw):
     if op == "neighborhood":
         if fault == "option":
             kernel_size, bad = 2 * kernel_size, "kernel_size"
-        fast = lambda q, k, v: ops.neighborhood_attn(q, k, v, kernel_size, tile_size, dropout_p, backend=backend)
-        naive = lambda q, k, v: ops.naive_neighborhood_attn(q, k, v, kernel_size)
+        fast = lambda q, k, v: ops.neighborhood_attn(
+            q, k, v, shape.grid, kernel_size, num_prefix_tokens=shape.prefix, tile_size=tile_size,
+            dropout_p=dropout_p, backend=backend,
+        )
+        naive = lambda q, k, v: ops.naive_neighborhood_attn(q, k, v, shape.grid, kernel_size, num_prefix_tokens=shape.prefix)
     else:
         if fault == "option":
             halo, bad = -1 - halo, "halo"
-        fast = lambda q, k, v: ops.sparse_attn(q, k, v, block_size, halo, dropout_p, backend=backend)
-        naive = lambda q, k, v: ops.naive_sparse_attn(q, k, v, block_size, halo)
+        fast = lambda q, k, v: ops.sparse_attn(
+            q, k, v, shape.grid, block_size, halo, num_prefix_tokens=shape.prefix, dropout_p=dropout_p, backend=backend
+        )
+        naive = lambda q, k, v: ops.naive_sparse_attn(
+            q, k, v, shape.grid, block_size, halo, num_prefix_tokens=shape.prefix
+        )
     if fault == "dropout_p":
         bad = "dropout_p"
     return Call(fast, naive, [q, k, v], dtype, grad, bad)

@@ -1,10 +1,13 @@
 """Contract tests run on every registered attention layer: a new type is tested the day it is added."""
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
 from timm.layers import Attention
 
 import visattn
+import visattn.ops as ops
 from tests.helpers import assert_rms_close
 from visattn.layers import GridAttention, get_attention
 
@@ -196,3 +199,87 @@ def test_a_type_without_cost_formulas_cannot_be_built():
 
     with pytest.raises(TypeError, match="mixing_flops, mixing_memory"):
         NoCost(8, num_heads=2)
+
+
+# name -> [(type options, the op's name in the layer's module, the op called as the layer's mix should call it)];
+# floor has no op: its mixing is the identity
+PUBLIC_OPS = {
+    "softmax": [({}, "softmax_attn", lambda layer, q, k, v, grid, p: ops.softmax_attn(q, k, v))],
+    "linear": [
+        (
+            {"dwconv_kernel": None},
+            "linear_attn",
+            lambda layer, q, k, v, grid, p: ops.linear_attn(q, k, v, feature_map="elu", chunk_size=64),
+        ),
+        (
+            {"dwconv_kernel": None, "decay": True},
+            "decayed_linear_attn",
+            lambda layer, q, k, v, grid, p: ops.decayed_linear_attn(q, k, v, layer.spatial_decay(), grid, p),
+        ),
+    ],
+    "axial": [({}, "axial_attn", lambda layer, q, k, v, grid, p: ops.axial_attn(q, k, v, grid, num_prefix_tokens=p))],
+    "linformer": [
+        (
+            {"k": 8, "ref_grid": (4, 4)},
+            "linformer_attn",
+            lambda layer, q, k, v, grid, p: ops.linformer_attn(
+                q, k, v, *(ops.resample_projection(e, (4, 4), grid) for e in (layer.proj_k, layer.proj_v)),
+                num_prefix_tokens=p,
+            ),
+        )
+    ],
+    "neighborhood": [
+        (
+            {"kernel_size": 3, "tile_size": 2},
+            "neighborhood_attn",
+            lambda layer, q, k, v, grid, p: ops.neighborhood_attn(q, k, v, grid, 3, num_prefix_tokens=p, tile_size=2),
+        )
+    ],
+    "sparse": [
+        (
+            {"block_size": 2, "halo": 1},
+            "sparse_attn",
+            lambda layer, q, k, v, grid, p: ops.sparse_attn(q, k, v, grid, 2, 1, num_prefix_tokens=p),
+        )
+    ],
+    "longformer": [
+        (
+            {"local": "sparse", "block_size": 2, "halo": 1},
+            "longformer_attn",
+            lambda layer, q, k, v, grid, p: ops.longformer_attn(q, k, v, grid, p, "sparse", block_size=2, halo=1),
+        )
+    ],
+}
+PUBLIC_OP_CASES = [(name, *case) for name, cases in PUBLIC_OPS.items() for case in cases]
+
+
+def test_every_type_but_floor_names_its_public_op():
+    assert set(PUBLIC_OPS) == set(NAMES) - {"floor"}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize(
+    "name,options,op_name,expected", PUBLIC_OP_CASES, ids=[f"{c[0]}-{c[2]}" for c in PUBLIC_OP_CASES]
+)
+def test_mix_runs_the_public_op(name, options, op_name, expected, grad, monkeypatch):
+    """The layer's mixing is one call of its public op (what the op's tests and benchmarks exercise), on
+    (B, heads, N, d) with the grid and prefix tokens: a spy in the layer's module sees the call, and the
+    output is the op's own on the same q, k, v, bit for bit. A 5 x 7 grid with 2 prefix tokens."""
+    grid, p = (5, 7), 2
+    layer = _layer(name, **options)
+    layer.set_grid(grid, p)
+    module = sys.modules[type(layer).__module__]
+    public_op = getattr(module, op_name)
+    assert public_op is getattr(ops, op_name)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return public_op(*args, **kwargs)
+
+    monkeypatch.setattr(module, op_name, spy)
+    q, k, v = (torch.randn(2, HEADS, p + grid[0] * grid[1], DIM // HEADS, requires_grad=grad) for _ in range(3))
+    with torch.set_grad_enabled(grad):
+        out = layer.mix(q, k, v, grid=grid, attn_mask=None, is_causal=False)
+        assert len(calls) == 1 and all(a is b for a, b in zip(calls[0][:3], (q, k, v)))
+        assert torch.equal(out, expected(layer, q, k, v, grid, p))

@@ -16,7 +16,7 @@ from visattn.bench.flops import ViTShape, attention_options, estimate_memory, vi
 from visattn.layers import get_attention
 from visattn.layers.cost import TokenLayout
 from visattn.layers.decay import initial_decay_rates
-from visattn.ops._layout import merge_heads, split_qkv
+from visattn.ops.layout import merge_heads, split_qkv
 from visattn.train.cli import resolve_config
 
 DIM, HEADS = 24, 3  # head width 8: rope turns pairs of channels on two axes

@@ -10,7 +10,7 @@ from visattn.layers.longformer import LongformerAttention
 from visattn.layers.neighborhood import NeighborhoodAttention
 from visattn.layers.registry import get_attention
 from visattn.layers.sparse import SparseAttention
-from visattn.ops._naive import naive_masked_attn
+from visattn.ops.local.naive import naive_masked_attn
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask

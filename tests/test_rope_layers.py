@@ -14,9 +14,9 @@ from visattn.bench.cli import _parse
 from visattn.bench.sweep import plan_model_sweep
 from visattn.layers import GridAttention, get_attention
 from visattn.layers.options import options_per_type, parse_key_values
-from visattn.ops._layout import merge_heads, split_qkv
-from visattn.ops._naive import naive_masked_attn
 from visattn.ops.backends import force_backend
+from visattn.ops.layout import merge_heads, split_qkv
+from visattn.ops.local.naive import naive_masked_attn
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.rope import naive_apply_rope

@@ -14,6 +14,7 @@ from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
 from visattn.layers import get_attention
 from visattn.ops import backends, local
+from visattn.ops.local import engine
 from visattn.ops.backends import BACKENDS, force_backend
 from visattn.ops.linear.blocked import token_blocks
 
@@ -78,12 +79,14 @@ def test_packed_axial_paths_match_naive(b, heads, grid, p, d, backend):
 
 LOCAL_OPS = {
     "neighborhood": (
-        lambda q, k, v, grid, p, backend: ops.neighborhood_attn(q, k, v, 3, tile_size=2, backend=backend),
-        lambda q, k, v, grid, p: ops.naive_neighborhood_attn(q, k, v, 3),
+        lambda q, k, v, grid, p, backend: ops.neighborhood_attn(
+            q, k, v, grid, 3, num_prefix_tokens=p, tile_size=2, backend=backend
+        ),
+        lambda q, k, v, grid, p: ops.naive_neighborhood_attn(q, k, v, grid, 3, num_prefix_tokens=p),
     ),
     "sparse": (
-        lambda q, k, v, grid, p, backend: ops.sparse_attn(q, k, v, 2, 1, backend=backend),
-        lambda q, k, v, grid, p: ops.naive_sparse_attn(q, k, v, 2, 1),
+        lambda q, k, v, grid, p, backend: ops.sparse_attn(q, k, v, grid, 2, 1, num_prefix_tokens=p, backend=backend),
+        lambda q, k, v, grid, p: ops.naive_sparse_attn(q, k, v, grid, 2, 1, num_prefix_tokens=p),
     ),
     "longformer": (
         lambda q, k, v, grid, p, backend: ops.longformer_attn(q, k, v, grid, p, kernel_size=3, tile_size=2, backend=backend),
@@ -98,8 +101,6 @@ LOCAL_OPS = {
 def test_local_paths_match_naive(b, heads, grid, p, d, op, backend):
     fast, naive = LOCAL_OPS[op]
     q, k, v = _qkv(b, heads, grid, p, d)
-    if op != "longformer":  # the grid ops take (B, heads, H, W, d) and have no prefix tokens
-        q, k, v = (t[:, :, p:].unflatten(2, grid) for t in (q, k, v))
     _assert_matches(
         lambda q, k, v: fast(q, k, v, grid, p, backend),
         lambda q, k, v: naive(q, k, v, grid, p),
@@ -221,7 +222,7 @@ def test_bad_backends_raise():
     with pytest.raises(ValueError, match="'cpu_kernels' needs a CPU tensor, dropout_p=0"):
         ops.axial_attn(q, k, v, (3, 4), dropout_p=0.1, backend="cpu_kernels")
     with pytest.raises(ValueError, match="'chunked' has no autograd"):
-        ops.sparse_attn(*(t.unflatten(2, (3, 4)).requires_grad_(True) for t in (q, k, v)), 2, 1, backend="chunked")
+        ops.sparse_attn(*(t.detach().requires_grad_(True) for t in (q, k, v)), (3, 4), 2, 1, backend="chunked")
     layer = get_attention("linear")(16, 2, qk_norm=True, norm_layer=nn.LayerNorm, dwconv_kernel=None)
     with force_backend("linear_projection", "packed"), pytest.raises(ValueError, match="no q/k norm"):
         layer(torch.randn(1, 5, 16))
@@ -264,5 +265,5 @@ def test_local_ops_go_dense_where_the_windows_cover_the_grid():
     tiles run."""
     cpu = torch.device("cpu")
     small, large = (local.neighborhood_axis(n, 7, 8, cpu) for n in (14, 32))
-    assert local.dense_is_cheaper(small, small, 1, prefix_visible=False)
-    assert not local.dense_is_cheaper(large, large, 1, prefix_visible=False)
+    assert engine.dense_is_cheaper(small, small, 1, prefix_visible=False)
+    assert not engine.dense_is_cheaper(large, large, 1, prefix_visible=False)

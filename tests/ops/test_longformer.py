@@ -72,12 +72,8 @@ def test_matches_reference_bf16(b, heads, gh, gw, g, local, opts, d):
 def test_no_global_tokens_is_the_local_op():
     gh, gw = 6, 7
     q, k, v = _qkv(2, 2, gh * gw, 8)
-
-    def grid(t):
-        return t.unflatten(2, (gh, gw))
-
-    local_nb = neighborhood_attn(grid(q), grid(k), grid(v), 3, tile_size=4).flatten(2, 3)
-    local_sp = sparse_attn(grid(q), grid(k), grid(v), 3, 1).flatten(2, 3)
+    local_nb = neighborhood_attn(q, k, v, (gh, gw), 3, tile_size=4)
+    local_sp = sparse_attn(q, k, v, (gh, gw), 3, 1)
     assert_rms_close(longformer_attn(q, k, v, (gh, gw), 0, "neighborhood", kernel_size=3, tile_size=4), local_nb, 1e-6)
     assert_rms_close(longformer_attn(q, k, v, (gh, gw), 0, "sparse", block_size=3, halo=1), local_sp, 1e-6)
 

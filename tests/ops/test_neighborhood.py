@@ -1,4 +1,4 @@
-"""neighborhood vs its explicit-mask twin, NATTEN window semantics, and a memory bound."""
+"""neighborhood vs its explicit-mask twin, NATTEN window semantics, prefix tokens, and a memory bound."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +8,7 @@ from torch.utils._pytree import tree_flatten
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn.ops import naive_neighborhood_attn, neighborhood_attn
+from visattn.ops.backends import BACKENDS
 from visattn.ops.neighborhood import neighborhood_mask
 
 # (B, heads, H, W, kernel_size, tile_size, head_dim)
@@ -25,15 +26,16 @@ CASES = [
 IDS = [f"B{b}-H{h}-grid{gh}x{gw}-k{ks}-t{t}-d{d}" for b, h, gh, gw, ks, t, d in CASES]
 
 
-def _qkv(b, heads, gh, gw, d, dtype=torch.float32):
-    return [torch.randn(b, heads, gh, gw, d, dtype=dtype) for _ in range(3)]
+def _qkv(b, heads, gh, gw, d, dtype=torch.float32, p=0):
+    """q, k, v (B, heads, P + H * W, d): the prefix tokens first, then the patches in raster order."""
+    return [torch.randn(b, heads, p + gh * gw, d, dtype=dtype) for _ in range(3)]
 
 
 @pytest.mark.parametrize("b,heads,gh,gw,ks,t,d", CASES, ids=IDS)
 def test_matches_reference_fp32(b, heads, gh, gw, ks, t, d):
     q, kk, v = _qkv(b, heads, gh, gw, d)
-    out, grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, ks, tile_size=t), q, kk, v)
-    ref, ref_grads = grads_of(lambda q, k, v: naive_neighborhood_attn(q, k, v, ks), q, kk, v)
+    out, grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, (gh, gw), ks, tile_size=t), q, kk, v)
+    ref, ref_grads = grads_of(lambda q, k, v: naive_neighborhood_attn(q, k, v, (gh, gw), ks), q, kk, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -42,8 +44,8 @@ def test_matches_reference_fp32(b, heads, gh, gw, ks, t, d):
 @pytest.mark.parametrize("b,heads,gh,gw,ks,t,d", CASES, ids=IDS)
 def test_matches_reference_bf16(b, heads, gh, gw, ks, t, d):
     q, kk, v = _qkv(b, heads, gh, gw, d)
-    out, grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, ks, tile_size=t), *(x.bfloat16() for x in (q, kk, v)))
-    ref, ref_grads = grads_of(lambda q, k, v: naive_neighborhood_attn(q, k, v, ks), q, kk, v)
+    out, grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, (gh, gw), ks, tile_size=t), *(x.bfloat16() for x in (q, kk, v)))
+    ref, ref_grads = grads_of(lambda q, k, v: naive_neighborhood_attn(q, k, v, (gh, gw), ks), q, kk, v)
     assert out.dtype == torch.bfloat16
     assert_rms_close(out, ref, 2e-2, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
@@ -55,9 +57,9 @@ def test_matches_reference_bf16(b, heads, gh, gw, ks, t, d):
 )
 def test_result_does_not_depend_on_tile_size(gh, gw, ks):
     q, kk, v = _qkv(2, 2, gh, gw, 8)
-    out, grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, ks, tile_size=8), q, kk, v)
+    out, grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, (gh, gw), ks, tile_size=8), q, kk, v)
     for tile in (1, 2, 3, 5, 16):
-        other, other_grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, ks, tile_size=tile), q, kk, v)
+        other, other_grads = grads_of(lambda q, k, v: neighborhood_attn(q, k, v, (gh, gw), ks, tile_size=tile), q, kk, v)
         assert_rms_close(other, out, 1e-6, f"out tile={tile}")
         for name, g, g_ref in zip("qkv", other_grads, grads):
             assert_rms_close(g, g_ref, 1e-6, f"d{name} tile={tile}")
@@ -88,18 +90,21 @@ def test_every_query_sees_k_squared_keys_including_itself(gh, gw, k):
 
 def test_kernel_one_returns_values():
     q, kk, v = _qkv(2, 2, 5, 6, 8)
-    torch.testing.assert_close(neighborhood_attn(q, kk, v, 1), v)
+    torch.testing.assert_close(neighborhood_attn(q, kk, v, (5, 6), 1), v)
 
 
 def test_same_input_same_output_bit_for_bit():
     q, kk, v = _qkv(2, 2, 9, 7, 8)
-    assert torch.equal(neighborhood_attn(q, kk, v, 5, tile_size=4), neighborhood_attn(q, kk, v, 5, tile_size=4))
+    assert torch.equal(neighborhood_attn(q, kk, v, (9, 7), 5, tile_size=4), neighborhood_attn(q, kk, v, (9, 7), 5, tile_size=4))
 
 
 def test_scale_and_dropout_are_passed_on():
     q, kk, v = _qkv(1, 2, 6, 5, 8)
-    assert_rms_close(neighborhood_attn(q, kk, v, 3, scale=0.3), naive_neighborhood_attn(q, kk, v, 3, scale=0.3), 1e-5)
-    assert not torch.allclose(neighborhood_attn(q, kk, v, 3, dropout_p=0.5), neighborhood_attn(q, kk, v, 3))
+    grid = (6, 5)
+    assert_rms_close(
+        neighborhood_attn(q, kk, v, grid, 3, scale=0.3), naive_neighborhood_attn(q, kk, v, grid, 3, scale=0.3), 1e-5
+    )
+    assert not torch.allclose(neighborhood_attn(q, kk, v, grid, 3, dropout_p=0.5), neighborhood_attn(q, kk, v, grid, 3))
 
 
 @pytest.mark.parametrize(
@@ -114,15 +119,43 @@ def test_scale_and_dropout_are_passed_on():
 def test_bad_options_raise(kwargs, match):
     q, kk, v = _qkv(1, 1, 4, 4, 8)
     with pytest.raises(ValueError, match=match):
-        neighborhood_attn(q, kk, v, **kwargs)
+        neighborhood_attn(q, kk, v, (4, 4), **kwargs)
 
 
 def test_bad_shapes_raise():
     q, kk, v = _qkv(1, 1, 4, 4, 8)
-    with pytest.raises(ValueError, match="H, W"):
-        neighborhood_attn(q.flatten(2, 3), kk.flatten(2, 3), v.flatten(2, 3), 3)
+    with pytest.raises(ValueError, match="B, heads, N, d"):
+        neighborhood_attn(*(t.unflatten(2, (4, 4)) for t in (q, kk, v)), (4, 4), 3)
     with pytest.raises(ValueError, match="agree"):
-        neighborhood_attn(q, kk[:, :, :3], v, 3)
+        neighborhood_attn(q, kk[:, :, :3], v, (4, 4), 3)
+    with pytest.raises(ValueError, match="num_prefix_tokens=1"):
+        neighborhood_attn(q, kk, v, (4, 4), 3, num_prefix_tokens=1)
+    with pytest.raises(ValueError, match="grid"):
+        neighborhood_attn(q, kk, v, (4, 3), 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS["local"])
+@pytest.mark.parametrize("grid,p", [((5, 7), 2), ((7, 5), 1), ((3, 11), 3)], ids=["grid5x7-p2", "grid7x5-p1", "grid3x11-p3"])
+def test_prefix_tokens_on_odd_grids_match_the_naive_twin(grid, p, backend):
+    """The layers' contract: P prefix tokens first, prefix queries over all tokens, patch queries over
+    their window only (no prefix key); outputs and, on the differentiable paths, gradients."""
+    q, kk, v = _qkv(2, 3, *grid, 8, p=p)
+    fast = lambda q, k, v: neighborhood_attn(q, k, v, grid, 3, num_prefix_tokens=p, tile_size=2, backend=backend)
+    naive = lambda q, k, v: naive_neighborhood_attn(q, k, v, grid, 3, num_prefix_tokens=p)
+    if backend in ("chunked", "flex"):  # chunked: inference only; flex: FlexAttention has no backward on the CPU
+        assert_rms_close(fast(q, kk, v), naive(q, kk, v), 1e-5, "out")
+    else:
+        out, grads = grads_of(fast, q, kk, v)
+        ref, ref_grads = grads_of(naive, q, kk, v)
+        assert_rms_close(out, ref, 1e-5, "out")
+        for name, g, g_ref in zip("qkv", grads, ref_grads):
+            assert_rms_close(g, g_ref, 1e-5, f"d{name}")
+    # the twin itself: prefix rows are full softmax attention, patch rows never see a prefix key
+    ref = naive(q, kk, v)
+    assert_rms_close(ref[:, :, :p], torch.nn.functional.scaled_dot_product_attention(q[:, :, :p], kk, v), 1e-5, "prefix")
+    v_moved = v.clone()
+    v_moved[:, :, :p] += 100.0
+    torch.testing.assert_close(naive(q, kk, v_moved)[:, :, p:], ref[:, :, p:])
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -146,7 +179,7 @@ def test_memory_stays_blocked_at_grid96x96():
     B, heads, H, W, d, k, tile = 1, 2, 96, 96, 16, 7, 8
     q, kk, v = (t.requires_grad_(True) for t in _qkv(B, heads, H, W, d))
     with _LargestTensor() as meter:
-        neighborhood_attn(q, kk, v, k, tile_size=tile).square().sum().backward()
+        neighborhood_attn(q, kk, v, (H, W), k, tile_size=tile).square().sum().backward()
     n = H * W
     tile_scores = B * heads * n * (tile + k - 1) ** 2
     assert meter.numel <= tile_scores, meter.op
@@ -159,5 +192,5 @@ def test_memory_meter_sees_dense_scores():
     """The meter above can fail: the N x N reference trips it."""
     q, kk, v = _qkv(1, 1, 12, 12, 8)
     with _LargestTensor() as meter:
-        naive_neighborhood_attn(q, kk, v, 3)
+        naive_neighborhood_attn(q, kk, v, (12, 12), 3)
     assert meter.numel >= 144 * 144

@@ -170,22 +170,18 @@ def test_apply_rope_keeps_the_input_dtype():
 GRID, D, HEADS, P = (3, 5), 8, 2, 2
 
 
-def _grid_layout(t):  # (B, h, H W, d) -> (B, h, H, W, d)
-    return t.reshape(*t.shape[:2], *GRID, t.shape[-1])
-
-
 # op name -> (prefix tokens it takes, fast op, naive twin), each on rotated q, k and v (B, h, N, d)
 OPS = {
     "softmax": (P, ops.softmax_attn, ops.naive_softmax_attn),
     "neighborhood": (
-        0,
-        lambda q, k, v: ops.neighborhood_attn(*map(_grid_layout, (q, k, v)), kernel_size=3, tile_size=2),
-        lambda q, k, v: ops.naive_neighborhood_attn(*map(_grid_layout, (q, k, v)), kernel_size=3),
+        P,
+        lambda q, k, v: ops.neighborhood_attn(q, k, v, GRID, 3, num_prefix_tokens=P, tile_size=2),
+        lambda q, k, v: ops.naive_neighborhood_attn(q, k, v, GRID, 3, num_prefix_tokens=P),
     ),
     "sparse": (
-        0,
-        lambda q, k, v: ops.sparse_attn(*map(_grid_layout, (q, k, v)), block_size=2, halo=1),
-        lambda q, k, v: ops.naive_sparse_attn(*map(_grid_layout, (q, k, v)), block_size=2, halo=1),
+        P,
+        lambda q, k, v: ops.sparse_attn(q, k, v, GRID, 2, 1, num_prefix_tokens=P),
+        lambda q, k, v: ops.naive_sparse_attn(q, k, v, GRID, 2, 1, num_prefix_tokens=P),
     ),
     "longformer": (
         P,

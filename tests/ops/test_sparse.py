@@ -1,4 +1,4 @@
-"""sparse (blocked + halo) vs its explicit-mask twin, and the block/halo window semantics."""
+"""sparse (blocked + halo) vs its explicit-mask twin, the block/halo window semantics, prefix tokens."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +6,7 @@ import torch
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn.ops import naive_sparse_attn, sparse_attn
+from visattn.ops.backends import BACKENDS
 from visattn.ops.sparse import sparse_mask
 
 # (B, heads, H, W, block_size, halo, head_dim)
@@ -22,15 +23,16 @@ CASES = [
 IDS = [f"B{b}-H{h}-grid{gh}x{gw}-b{bs}-halo{hl}-d{d}" for b, h, gh, gw, bs, hl, d in CASES]
 
 
-def _qkv(b, heads, gh, gw, d):
-    return [torch.randn(b, heads, gh, gw, d) for _ in range(3)]
+def _qkv(b, heads, gh, gw, d, p=0):
+    """q, k, v (B, heads, P + H * W, d): the prefix tokens first, then the patches in raster order."""
+    return [torch.randn(b, heads, p + gh * gw, d) for _ in range(3)]
 
 
 @pytest.mark.parametrize("b,heads,gh,gw,bs,hl,d", CASES, ids=IDS)
 def test_matches_reference_fp32(b, heads, gh, gw, bs, hl, d):
     q, k, v = _qkv(b, heads, gh, gw, d)
-    out, grads = grads_of(lambda q, k, v: sparse_attn(q, k, v, bs, hl), q, k, v)
-    ref, ref_grads = grads_of(lambda q, k, v: naive_sparse_attn(q, k, v, bs, hl), q, k, v)
+    out, grads = grads_of(lambda q, k, v: sparse_attn(q, k, v, (gh, gw), bs, hl), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: naive_sparse_attn(q, k, v, (gh, gw), bs, hl), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -39,8 +41,8 @@ def test_matches_reference_fp32(b, heads, gh, gw, bs, hl, d):
 @pytest.mark.parametrize("b,heads,gh,gw,bs,hl,d", CASES, ids=IDS)
 def test_matches_reference_bf16(b, heads, gh, gw, bs, hl, d):
     q, k, v = _qkv(b, heads, gh, gw, d)
-    out, grads = grads_of(lambda q, k, v: sparse_attn(q, k, v, bs, hl), *(x.bfloat16() for x in (q, k, v)))
-    ref, ref_grads = grads_of(lambda q, k, v: naive_sparse_attn(q, k, v, bs, hl), q, k, v)
+    out, grads = grads_of(lambda q, k, v: sparse_attn(q, k, v, (gh, gw), bs, hl), *(x.bfloat16() for x in (q, k, v)))
+    ref, ref_grads = grads_of(lambda q, k, v: naive_sparse_attn(q, k, v, (gh, gw), bs, hl), q, k, v)
     assert out.dtype == torch.bfloat16
     assert_rms_close(out, ref, 2e-2, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
@@ -65,19 +67,20 @@ def test_block_plus_halo_cut_at_the_border(length, block, halo, windows):
 
 def test_one_block_without_halo_is_full_attention():
     q, k, v = _qkv(2, 2, 5, 6, 8)
-    ref = torch.nn.functional.scaled_dot_product_attention(*(t.flatten(2, 3) for t in (q, k, v)))
-    assert_rms_close(sparse_attn(q, k, v, 6, 0).flatten(2, 3), ref, 1e-5)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert_rms_close(sparse_attn(q, k, v, (5, 6), 6, 0), ref, 1e-5)
 
 
 def test_same_input_same_output_bit_for_bit():
     q, k, v = _qkv(2, 2, 9, 7, 8)
-    assert torch.equal(sparse_attn(q, k, v, 4, 2), sparse_attn(q, k, v, 4, 2))
+    assert torch.equal(sparse_attn(q, k, v, (9, 7), 4, 2), sparse_attn(q, k, v, (9, 7), 4, 2))
 
 
 def test_scale_and_dropout_are_passed_on():
     q, k, v = _qkv(1, 2, 6, 5, 8)
-    assert_rms_close(sparse_attn(q, k, v, 2, 1, scale=0.3), naive_sparse_attn(q, k, v, 2, 1, scale=0.3), 1e-5)
-    assert not torch.allclose(sparse_attn(q, k, v, 2, 1, dropout_p=0.5), sparse_attn(q, k, v, 2, 1))
+    grid = (6, 5)
+    assert_rms_close(sparse_attn(q, k, v, grid, 2, 1, scale=0.3), naive_sparse_attn(q, k, v, grid, 2, 1, scale=0.3), 1e-5)
+    assert not torch.allclose(sparse_attn(q, k, v, grid, 2, 1, dropout_p=0.5), sparse_attn(q, k, v, grid, 2, 1))
 
 
 @pytest.mark.parametrize(
@@ -88,12 +91,38 @@ def test_scale_and_dropout_are_passed_on():
 def test_bad_options_raise(block_size, halo, match):
     q, k, v = _qkv(1, 1, 4, 4, 8)
     with pytest.raises(ValueError, match=match):
-        sparse_attn(q, k, v, block_size, halo)
+        sparse_attn(q, k, v, (4, 4), block_size, halo)
 
 
 def test_bad_shapes_raise():
     q, k, v = _qkv(1, 1, 4, 4, 8)
-    with pytest.raises(ValueError, match="H, W"):
-        sparse_attn(q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), 2, 1)
+    with pytest.raises(ValueError, match="B, heads, N, d"):
+        sparse_attn(*(t.unflatten(2, (4, 4)) for t in (q, k, v)), (4, 4), 2, 1)
     with pytest.raises(ValueError, match="head_dim"):
-        sparse_attn(q, k[..., :4], v, 2, 1)
+        sparse_attn(q, k[..., :4], v, (4, 4), 2, 1)
+    with pytest.raises(ValueError, match="num_prefix_tokens=1"):
+        sparse_attn(q, k, v, (4, 4), 2, 1, num_prefix_tokens=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS["local"])
+@pytest.mark.parametrize("grid,p", [((5, 7), 2), ((7, 5), 1), ((3, 11), 3)], ids=["grid5x7-p2", "grid7x5-p1", "grid3x11-p3"])
+def test_prefix_tokens_on_odd_grids_match_the_naive_twin(grid, p, backend):
+    """The layers' contract: P prefix tokens first, prefix queries over all tokens, patch queries over
+    their window only (no prefix key); outputs and, on the differentiable paths, gradients."""
+    q, k, v = _qkv(2, 3, *grid, 8, p=p)
+    fast = lambda q, k, v: sparse_attn(q, k, v, grid, 2, 1, num_prefix_tokens=p, backend=backend)
+    naive = lambda q, k, v: naive_sparse_attn(q, k, v, grid, 2, 1, num_prefix_tokens=p)
+    if backend in ("chunked", "flex"):  # chunked: inference only; flex: FlexAttention has no backward on the CPU
+        assert_rms_close(fast(q, k, v), naive(q, k, v), 1e-5, "out")
+    else:
+        out, grads = grads_of(fast, q, k, v)
+        ref, ref_grads = grads_of(naive, q, k, v)
+        assert_rms_close(out, ref, 1e-5, "out")
+        for name, g, g_ref in zip("qkv", grads, ref_grads):
+            assert_rms_close(g, g_ref, 1e-5, f"d{name}")
+    # the twin itself: prefix rows are full softmax attention, patch rows never see a prefix key
+    ref = naive(q, k, v)
+    assert_rms_close(ref[:, :, :p], torch.nn.functional.scaled_dot_product_attention(q[:, :, :p], k, v), 1e-5, "prefix")
+    v_moved = v.clone()
+    v_moved[:, :, :p] += 100.0
+    torch.testing.assert_close(naive(q, k, v_moved)[:, :, p:], ref[:, :, p:])

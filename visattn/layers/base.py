@@ -28,8 +28,8 @@ import torch.nn as nn
 
 from visattn.layers.cost import MixingMemory, TokenLayout
 from visattn.layers.rope import GridRope
-from visattn.ops._checks import check_grid, check_grid_size, check_nonnegative_int
-from visattn.ops._layout import merge_heads, split_qkv
+from visattn.ops.checks import check_grid, check_grid_size, check_nonnegative_int
+from visattn.ops.layout import merge_heads, split_qkv
 from visattn.ops.rope import apply_rope, check_rope
 
 _AUTOCAST_DTYPES = {torch.float32, torch.float16, torch.bfloat16}

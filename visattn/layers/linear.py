@@ -11,8 +11,8 @@ import torch.nn as nn
 from visattn.layers.base import GridAttention
 from visattn.layers.cost import MixingMemory
 from visattn.layers.decay import SpatialDecay, check_decay_option
-from visattn.ops._layout import image_to_tokens, merge_heads, split_heads, split_prefix, tokens_to_image
 from visattn.ops.backends import choose_linear_projection_backend, select_backend
+from visattn.ops.layout import image_to_tokens, merge_heads, split_heads, split_prefix, tokens_to_image
 from visattn.ops.linear import (
     decayed_linear_attn,
     decayed_linear_flops,

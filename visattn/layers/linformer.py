@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from visattn.layers.base import GridAttention
 from visattn.layers.cost import MixingMemory
-from visattn.ops._layout import merge_heads, split_heads
+from visattn.ops.layout import merge_heads, split_heads
 from visattn.ops.linformer import area_pooling_projection, linformer_attn, project_keys_values, resample_projection
 
 

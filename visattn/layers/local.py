@@ -11,8 +11,8 @@ from visattn.ops.local import AxisTiling
 
 
 class LocalWindowAttention(GridAttention):
-    """A type whose patches attend within a window that is a product of one window per grid axis
-    (:func:`visattn.ops.local.tiled_local_attn`); prefix tokens attend to all tokens."""
+    """A type whose patches attend within a window that is a product of one window per grid axis (its op
+    runs :func:`visattn.ops.local.tiled_local_attn`); prefix tokens attend to all tokens."""
 
     @staticmethod
     @abstractmethod

@@ -10,8 +10,8 @@ from visattn.layers.base import GridAttention
 from visattn.layers.cost import MixingMemory, tiled_memory
 from visattn.layers.neighborhood import NeighborhoodAttention
 from visattn.layers.sparse import SparseAttention
-from visattn.ops._checks import check_nonnegative_int
-from visattn.ops._layout import split_prefix, split_qkv
+from visattn.ops.checks import check_nonnegative_int
+from visattn.ops.layout import split_prefix, split_qkv
 from visattn.ops.local import AxisTiling
 from visattn.ops.longformer import check_local_options, longformer_attn
 

@@ -6,8 +6,9 @@ from typing import Any
 import torch
 
 from visattn.layers.local import LocalWindowAttention
-from visattn.ops._checks import check_positive_int
-from visattn.ops.local import AxisTiling, neighborhood_axis, neighborhood_tiling, tiled_local_attn
+from visattn.ops.checks import check_positive_int
+from visattn.ops.local import AxisTiling, neighborhood_tiling
+from visattn.ops.neighborhood import neighborhood_attn
 
 
 class NeighborhoodAttention(LocalWindowAttention):
@@ -39,10 +40,9 @@ class NeighborhoodAttention(LocalWindowAttention):
         self.tile_size = tile_size
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
-        rows = neighborhood_axis(grid[0], self.kernel_size, self.tile_size, q.device)
-        cols = neighborhood_axis(grid[1], self.kernel_size, self.tile_size, q.device)
-        return tiled_local_attn(
-            q, k, v, rows, cols, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p
+        return neighborhood_attn(
+            q, k, v, grid, self.kernel_size, num_prefix_tokens=self.num_prefix_tokens, tile_size=self.tile_size,
+            dropout_p=self.dropout_p,
         )
 
     def extra_repr(self) -> str:

@@ -6,8 +6,9 @@ from typing import Any
 import torch
 
 from visattn.layers.local import LocalWindowAttention
-from visattn.ops._checks import check_nonnegative_int, check_positive_int
-from visattn.ops.local import AxisTiling, blocked_axis, blocked_tiling, tiled_local_attn
+from visattn.ops.checks import check_nonnegative_int, check_positive_int
+from visattn.ops.local import AxisTiling, blocked_tiling
+from visattn.ops.sparse import sparse_attn
 
 
 class SparseAttention(LocalWindowAttention):
@@ -38,10 +39,9 @@ class SparseAttention(LocalWindowAttention):
         self.halo = halo
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
-        rows = blocked_axis(grid[0], self.block_size, self.halo, q.device)
-        cols = blocked_axis(grid[1], self.block_size, self.halo, q.device)
-        return tiled_local_attn(
-            q, k, v, rows, cols, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p
+        return sparse_attn(
+            q, k, v, grid, self.block_size, self.halo, num_prefix_tokens=self.num_prefix_tokens,
+            dropout_p=self.dropout_p,
         )
 
     def extra_repr(self) -> str:

@@ -36,7 +36,7 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     "axial": ("cpu_kernels", "sdpa", "sdpa_checkpoint"),
     # the tiled engine of the local ops: tiles a chunk at a time into cache-sized buffers (no autograd),
     # all tiles gathered at once (differentiable), attention over all tokens with the windows as a mask,
-    # or FlexAttention's block-sparse kernel over the tokens in tile order (visattn.ops.local_flex; CUDA)
+    # or FlexAttention's block-sparse kernel over the tokens in tile order (visattn.ops.local.flex; CUDA)
     "local": ("chunked", "gathered", "dense", "flex"),
 }
 

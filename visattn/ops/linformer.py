@@ -16,8 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from visattn.ops._checks import check_dropout, check_grid_size, check_positive_int, check_qkv
-from visattn.ops._naive import naive_masked_attn
+from visattn.ops.checks import check_dropout, check_grid_size, check_positive_int, check_qkv
+from visattn.ops.local.naive import naive_masked_attn
 
 
 def _check_projections(

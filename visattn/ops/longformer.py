@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_dropout, check_grid, check_nonnegative_int, check_positive_int, check_qkv
-from visattn.ops._naive import naive_masked_attn
-from visattn.ops.local import AxisPlan, blocked_axis, neighborhood_axis, tiled_local_attn
+from visattn.ops.checks import check_dropout, check_grid, check_nonnegative_int, check_positive_int, check_qkv
+from visattn.ops.local import (
+    AxisPlan,
+    blocked_axis,
+    naive_masked_attn,
+    neighborhood_axis,
+    tiled_local_attn,
+    with_prefix_tokens,
+)
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
 
@@ -93,13 +99,11 @@ def longformer_mask(
     """(N, N) bool with N = G + H*W: global rows and columns all True, the patch block is the local mask."""
     if local not in LOCAL_KINDS:
         raise ValueError(f"longformer: unknown local {local!r}; valid: {', '.join(LOCAL_KINDS)}")
-    g, n_patch = num_global_tokens, grid[0] * grid[1]
-    allowed = torch.ones(g + n_patch, g + n_patch, dtype=torch.bool, device=device)
     if local == "neighborhood":
-        allowed[g:, g:] = neighborhood_mask(grid, kernel_size, device)
+        window = neighborhood_mask(grid, kernel_size, device)
     else:
-        allowed[g:, g:] = sparse_mask(grid, block_size, halo, device)
-    return allowed
+        window = sparse_mask(grid, block_size, halo, device)
+    return with_prefix_tokens(window, num_global_tokens, prefix_visible=True)
 
 
 def naive_longformer_attn(

@@ -30,8 +30,8 @@ from timm.layers.pos_embed_sincos import (
     init_random_2d_freqs,
 )
 
-from visattn.ops._checks import check_grid_size, check_nonnegative_int
-from visattn.ops._chunked import cache_per_inference_mode
+from visattn.ops.cache import cache_per_inference_mode
+from visattn.ops.checks import check_grid_size, check_nonnegative_int
 
 ROPE_MODES = ("axial", "mixed")
 AXIAL_THETA = 100.0

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from visattn.ops._checks import check_dropout, check_qkv
-from visattn.ops._naive import naive_masked_attn
+from visattn.ops.checks import check_dropout, check_qkv
+from visattn.ops.local.naive import naive_masked_attn
 
 
 def softmax_attn(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from visattn.ops._layout import merge_heads, split_heads, split_qkv
 from visattn.ops.axial.hops import (
     COLUMNS,
     COLUMNS_TO_ROWS,
@@ -17,6 +16,7 @@ from visattn.ops.axial.hops import (
     column_inputs,
     row_inputs,
 )
+from visattn.ops.layout import merge_heads, split_heads, split_qkv
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, p: int, scale: float | None) -> tuple[torch.Tensor, tuple]:

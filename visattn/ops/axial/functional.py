@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from visattn.ops._checks import check_dropout, check_grid, check_packed_qkv, check_qkv
-from visattn.ops._layout import merge_heads, split_qkv
 from visattn.ops.axial.cpu_kernels import CPUKernelsAxialAttention, PackedCPUKernelsAxialAttention
 from visattn.ops.axial.hops import rows_then_columns
 from visattn.ops.backends import choose_axial_backend, cpu_kernels_apply, needs_autograd, select_backend
+from visattn.ops.checks import check_dropout, check_grid, check_packed_qkv, check_qkv
+from visattn.ops.layout import merge_heads, split_qkv
 
 
 def _select(op: str, t: torch.Tensor, dropout_p: float, needs_grad: bool, backend: str | None) -> str:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from visattn.ops._layout import split_prefix
+from visattn.ops.layout import split_prefix
 
 ROWS = "b heads (y x) d -> (b y) heads x d"
 COLUMNS = "b heads (y x) d -> (b x) heads y d"

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_grid, check_qkv
-from visattn.ops._naive import naive_masked_attn
+from visattn.ops.checks import check_grid, check_qkv
+from visattn.ops.local.naive import naive_masked_attn
 
 
 def axial_masks(

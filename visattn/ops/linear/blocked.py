@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from visattn.ops._checks import check_packed_qkv, check_qkv
-from visattn.ops._layout import split_heads, split_qkv, token_major_empty
-from visattn.ops._pieces import image_runs
 from visattn.ops.backends import needs_autograd
+from visattn.ops.checks import check_packed_qkv, check_qkv
+from visattn.ops.layout import split_heads, split_qkv, token_major_empty
 from visattn.ops.linear.feature_maps import FeatureMap, get_feature_map
+from visattn.ops.pieces import image_runs
 from visattn.ops.rope import apply_rope, check_rope_table, inverse_rope
 
 # Values per fp32 work buffer of a block on the CPU (1 MiB): the block's feature maps and products stay

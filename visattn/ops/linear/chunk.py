@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_positive_int, check_qkv
-from visattn.ops._pieces import pieces
+from visattn.ops.checks import check_positive_int, check_qkv
 from visattn.ops.linear.feature_maps import get_feature_map
 from visattn.ops.linear.plain import divide_by_last_column, with_ones_column
+from visattn.ops.pieces import pieces
 from visattn.ops.rope import apply_rope
 
 

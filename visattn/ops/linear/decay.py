@@ -39,12 +39,12 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from visattn.ops._checks import check_grid, check_positive_int, check_qkv
-from visattn.ops._layout import split_prefix
-from visattn.ops._pieces import items_per_piece, pieces
 from visattn.ops.backends import choose_decayed_linear_backend, select_backend
+from visattn.ops.checks import check_grid, check_positive_int, check_qkv
+from visattn.ops.layout import split_prefix
 from visattn.ops.linear.feature_maps import get_feature_map
 from visattn.ops.linear.plain import divide_by_last_column, with_ones_column
+from visattn.ops.pieces import items_per_piece, pieces
 from visattn.ops.rope import apply_rope, check_rope_table
 
 # Values of one (W, d, e + 1) column state, summed over the heads (and images) taken at once: this bounds

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_positive_int
 from visattn.ops.backends import choose_linear_backend, needs_autograd, select_backend
+from visattn.ops.checks import check_positive_int
 from visattn.ops.linear.blocked import blocked_linear_attn
 from visattn.ops.linear.chunk import chunk_linear_attn
 from visattn.ops.linear.feature_maps import get_feature_map

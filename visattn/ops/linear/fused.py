@@ -7,8 +7,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from visattn.ops._checks import check_positive_int
-from visattn.ops._layout import split_heads
+from visattn.ops.checks import check_positive_int
+from visattn.ops.layout import split_heads
 from visattn.ops.linear.blocked import Block, TokenBlocks, attend, kv_state
 from visattn.ops.linear.feature_maps import get_feature_map
 

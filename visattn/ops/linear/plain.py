@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_qkv
+from visattn.ops.checks import check_qkv
 from visattn.ops.linear.feature_maps import get_feature_map
 from visattn.ops.rope import apply_rope
 

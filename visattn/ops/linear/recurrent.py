@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops._checks import check_same_float_tensors
+from visattn.ops.checks import check_same_float_tensors
 from visattn.ops.linear.feature_maps import get_feature_map
 
 

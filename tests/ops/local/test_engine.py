@@ -10,11 +10,8 @@ import torch
 import visattn
 
 from tests.helpers import assert_rms_close, grads_of
-from visattn.ops import _chunked as chunked
-from visattn.ops import local
-from visattn.ops._naive import naive_masked_attn
 from visattn.ops.backends import force_backend
-from visattn.ops.local import blocked_axis, neighborhood_axis, tiled_local_attn
+from visattn.ops.local import blocked_axis, chunked, engine, naive_masked_attn, neighborhood_axis, tiled_local_attn
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
 
@@ -126,9 +123,9 @@ def test_output_is_token_major(path, grad):
 def test_layouts_are_cached():
     rows, cols = _plans(("neighborhood", 5, 4), (9, 7))
     assert neighborhood_axis(9, 5, 4, torch.device("cpu")) is rows
-    first = local._tile_layout(rows, cols, 1, False, torch.float32)
-    assert local._tile_layout(rows, cols, 1, False, torch.float32) is first
-    assert local._tile_layout(rows, cols, 1, False, torch.bfloat16) is not first  # the mask is per dtype
+    first = engine._tile_layout(rows, cols, 1, False, torch.float32)
+    assert engine._tile_layout(rows, cols, 1, False, torch.float32) is first
+    assert engine._tile_layout(rows, cols, 1, False, torch.bfloat16) is not first  # the mask is per dtype
 
 
 @pytest.mark.parametrize("p", [0, 2], ids=["p0", "p2"])

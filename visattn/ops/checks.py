@@ -32,20 +32,6 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str) -> Non
     check_same_float_tensors(op, q=q, k=k, v=v)
 
 
-def check_qkv_grid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str) -> None:
-    """q, k, v must be the grid layout (B, heads, H, W, d) with matching leading dims."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.ndim != 5:
-            raise ValueError(f"{op}: {name} must be (B, heads, H, W, d), got shape {tuple(t.shape)}")
-    if q.shape[:4] != k.shape[:4] or k.shape[:4] != v.shape[:4]:
-        raise ValueError(
-            f"{op}: q, k, v must agree in (B, heads, H, W); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{op}: q and k must share head_dim; got {q.shape[-1]} and {k.shape[-1]}")
-    check_same_float_tensors(op, q=q, k=k, v=v)
-
-
 def check_packed_qkv(qkv: torch.Tensor, num_heads: int, op: str) -> None:
     """qkv must be timm's projection (B, N, 3 C) with C divisible by num_heads."""
     if qkv.ndim != 3 or num_heads < 1 or qkv.shape[-1] % (3 * num_heads):

@@ -37,11 +37,17 @@ def separable_grid_mask(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return (rows[:, None, :, None] & cols[None, :, None, :]).reshape(H * W, H * W)
 
 
-def naive_grid_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float | None = None
-) -> torch.Tensor:
-    """:func:`naive_masked_attn` on grid-shaped tensors: q, k, v (B, heads, H, W, d), ``allowed`` bool
-    (H*W, H*W) over row-major tokens -> (B, heads, H, W, d_v)."""
-    B, heads, H, W, _ = q.shape
-    flat = [t.reshape(B, heads, H * W, t.shape[-1]) for t in (q, k, v)]
-    return naive_masked_attn(*flat, allowed, scale).reshape(B, heads, H, W, -1)
+def with_prefix_tokens(window: torch.Tensor, num_prefix_tokens: int, prefix_visible: bool = False) -> torch.Tensor:
+    """The (N, N) mask, N = P + H*W with the P prefix tokens first, of a local op whose patches see
+    ``window``: prefix queries see every token, patch queries their window, and the prefix keys if
+    ``prefix_visible`` (Longformer's global tokens).
+
+    Args:
+        window: bool (H*W, H*W) over row-major patch tokens, e.g. :func:`separable_grid_mask`.
+    """
+    p = num_prefix_tokens
+    n = p + window.shape[0]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=window.device)
+    allowed[p:, :p] = prefix_visible
+    allowed[p:, p:] = window
+    return allowed

@@ -9,43 +9,17 @@ for training.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache, wraps
 
 import torch
 import torch.nn.functional as F
 
-from visattn.ops._layout import merge_heads, split_heads
-from visattn.ops._pieces import ImageRun, image_runs
+from visattn.ops.cache import cache_per_inference_mode
+from visattn.ops.layout import merge_heads, split_heads
+from visattn.ops.pieces import ImageRun, image_runs
 
 # A chunk's gathered keys (and values, and queries) hold about this many values each.
 CHUNK_ELEMENTS = 1 << 20
-
-
-def cache_per_inference_mode(maxsize: int) -> Callable[[Callable], Callable]:
-    """``lru_cache`` that also keys on whether ``torch.inference_mode`` is on: tensors made in inference
-    mode cannot be saved for backward, so a plan built during an evaluation must not serve a later
-    training step (nor the other way round).
-
-    While ``torch.compile`` or ``torch.export`` traces, the plan is built afresh and not cached: its
-    tensors are then fake (traced) tensors, which must become operations of the traced graph. A cached
-    one would be read back as a constant by a later trace (export refuses a fake constant) and by
-    eager calls (which would compute with a fake tensor).
-    """
-
-    def wrap(fn: Callable) -> Callable:
-        cached = lru_cache(maxsize=maxsize)(lambda inference, *args: fn(*args))
-
-        @wraps(fn)
-        def call(*args):
-            if torch.compiler.is_compiling():
-                return fn(*args)
-            return cached(torch.is_inference_mode_enabled(), *args)
-
-        return call
-
-    return wrap
 
 
 @dataclass(frozen=True, eq=False)

@@ -44,17 +44,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from einops import rearrange
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from visattn.ops._chunked import cache_per_inference_mode
-from visattn.ops._layout import merge_heads, split_heads
-
-if TYPE_CHECKING:
-    from visattn.ops.local import AxisPlan
+from visattn.ops.cache import cache_per_inference_mode
+from visattn.ops.layout import merge_heads, split_heads
+from visattn.ops.local.plans import AxisPlan
 
 BLOCK = 128  # FlexAttention's default block of queries and of keys
 TILE_WIDTH = 16  # a block's tile is TILE_WIDTH wide and BLOCK // TILE_WIDTH tall (narrower grids: narrower tiles)
@@ -178,7 +175,7 @@ def flex_local_attn(
     prefix_visible: bool = False,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """:func:`visattn.ops.local.tiled_local_attn` on FlexAttention: each patch query attends to its
+    """:func:`visattn.ops.local.engine.tiled_local_attn` on FlexAttention: each patch query attends to its
     window (rows x cols), plus every prefix key if ``prefix_visible``; each prefix query to all N tokens.
 
     Args:

@@ -17,11 +17,12 @@ from torch.nn.attention.flex_attention import create_block_mask
 from tests.helpers import assert_rms_close
 from visattn import ops
 from visattn.layers.registry import get_attention
-from visattn.ops import backends, local_flex
-from visattn.ops._naive import naive_masked_attn
+from visattn.ops import backends
+from visattn.ops.local import flex as local_flex
+from visattn.ops.local import naive_masked_attn
 from visattn.ops.backends import force_backend
 from visattn.ops.local import blocked_axis, neighborhood_axis, tiled_local_attn
-from visattn.ops.local_flex import flex_layout, flex_local_attn
+from visattn.ops.local.flex import flex_layout, flex_local_attn
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.sparse import sparse_mask
@@ -149,9 +150,9 @@ def test_flex_is_chosen_on_cuda_without_dropout():
 
 
 def test_flex_refuses_dropout():
-    q, k, v = (torch.randn(1, 2, 5, 6, 8) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 5 * 6, 8) for _ in range(3))
     with pytest.raises(ValueError, match="backend 'flex' has no dropout, got dropout_p=0.1"):
-        ops.neighborhood_attn(q, k, v, 3, dropout_p=0.1, backend="flex")
+        ops.neighborhood_attn(q, k, v, (5, 6), 3, dropout_p=0.1, backend="flex")
 
 
 def test_traces_into_one_graph():

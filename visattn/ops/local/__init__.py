@@ -1,0 +1,33 @@
+"""The tiled engine shared by the 2D local attention ops (:mod:`visattn.ops.neighborhood`,
+:mod:`visattn.ops.sparse`, :mod:`visattn.ops.longformer`).
+
+    plans.py    the windows of each grid axis (:class:`AxisPlan`) and their sizes (:class:`AxisTiling`)
+    engine.py   :func:`tiled_local_attn`: the path choice, the gathered and the dense paths
+    chunked.py  the CPU inference path, tiles a chunk at a time
+    flex.py     the CUDA path: FlexAttention over the tokens in tile order, block masks cached
+    naive.py    explicit N x N scores with a mask, the naive twin every op is compared with
+"""
+from visattn.ops.local.engine import LOCAL_PATHS, tiled_local_attn
+from visattn.ops.local.naive import naive_masked_attn, separable_grid_mask, with_prefix_tokens
+from visattn.ops.local.plans import (
+    AxisPlan,
+    AxisTiling,
+    blocked_axis,
+    blocked_tiling,
+    neighborhood_axis,
+    neighborhood_tiling,
+)
+
+__all__ = [
+    "LOCAL_PATHS",
+    "AxisPlan",
+    "AxisTiling",
+    "blocked_axis",
+    "blocked_tiling",
+    "naive_masked_attn",
+    "neighborhood_axis",
+    "neighborhood_tiling",
+    "separable_grid_mask",
+    "tiled_local_attn",
+    "with_prefix_tokens",
+]

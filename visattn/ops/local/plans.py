@@ -1,0 +1,104 @@
+"""Window plans of the tiled local engine: how each grid axis is cut into query tiles and which keys each
+query of a tile sees. Each local op describes its windows per axis as an :class:`AxisPlan`; the
+engine (:func:`visattn.ops.local.tiled_local_attn`) is the same for all of them."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from visattn.ops.cache import cache_per_inference_mode
+
+
+@dataclass(frozen=True, eq=False)
+class AxisPlan:
+    """How one grid axis of ``length`` cells is tiled.
+
+    Query ``i`` (padded positions past the end included) sees keys ``[window_lo[i], window_hi[i])``; the
+    queries ``[j * tile, (j + 1) * tile)`` of tile ``j`` read the keys
+    ``[region_start[j], region_start[j] + region)``, which contain all their windows. Plans are cached
+    and compared by identity.
+    """
+
+    length: int
+    tile: int
+    region: int
+    region_start: torch.Tensor  # (num_tiles,) long
+    window_lo: torch.Tensor  # (num_tiles * tile,) long
+    window_hi: torch.Tensor  # (num_tiles * tile,) long
+    self_only: bool  # every query's window is the query itself
+
+    @property
+    def num_tiles(self) -> int:
+        return self.region_start.shape[0]
+
+    def key_index(self) -> torch.Tensor:
+        """(num_tiles, region): the key position of each region slot."""
+        return self.region_start[:, None] + torch.arange(self.region, device=self.region_start.device)
+
+    def axis_mask(self) -> torch.Tensor:
+        """(length, length) bool: query i may see key j, over the whole axis."""
+        keys = torch.arange(self.length, device=self.region_start.device)
+        lo, hi = self.window_lo[: self.length, None], self.window_hi[: self.length, None]
+        return (lo <= keys) & (keys < hi)
+
+    def mask(self) -> torch.Tensor:
+        """(num_tiles, tile, region) bool: query may see the key in this region slot."""
+        keys = self.key_index()[:, None, :]  # (num_tiles, 1, region)
+        lo = self.window_lo.view(self.num_tiles, self.tile, 1)
+        hi = self.window_hi.view(self.num_tiles, self.tile, 1)
+        return (lo <= keys) & (keys < hi)
+
+
+class AxisTiling(NamedTuple):
+    """The sizes of one axis's tiling, in plain integers (the cost formulas of the layers read them too):
+    ``num_tiles`` query tiles of ``tile`` cells, each reading a key region of ``region`` cells, and
+    ``keys_seen``, the keys in the windows of the axis's ``length`` queries, summed."""
+
+    tile: int
+    num_tiles: int
+    region: int
+    keys_seen: int
+
+
+def neighborhood_tiling(length: int, kernel_size: int, tile_size: int) -> AxisTiling:
+    """The tiling of :func:`neighborhood_axis`: every query sees ``min(kernel_size, length)`` keys."""
+    k, tile = min(kernel_size, length), min(tile_size, length)
+    return AxisTiling(tile, math.ceil(length / tile), min(tile + k - 1, length), length * k)
+
+
+def blocked_tiling(length: int, block_size: int, halo: int) -> AxisTiling:
+    """The tiling of :func:`blocked_axis`: one tile per block; a block's queries see the block grown by
+    ``halo`` on each side, cut at the axis ends."""
+    block = min(block_size, length)
+    starts = range(0, length, block)
+    seen = sum((min(s + block, length) - s) * (min(s + block + halo, length) - max(s - halo, 0)) for s in starts)
+    return AxisTiling(block, len(starts), min(block + 2 * halo, length), seen)
+
+
+@cache_per_inference_mode(maxsize=64)
+def neighborhood_axis(length: int, kernel_size: int, tile: int, device: torch.device) -> AxisPlan:
+    """NATTEN windows: query i sees ``[s, s + k)`` with ``s = clamp(i - k // 2, 0, length - k)``, i.e. the
+    window is shifted inward at the borders so every query sees exactly k keys. A kernel wider than the
+    axis is clamped to the axis: every query then sees the whole axis."""
+    k = min(kernel_size, length)
+    tile, num_tiles, region, _ = neighborhood_tiling(length, kernel_size, tile)
+    queries = torch.arange(num_tiles * tile, device=device)
+    lo = (queries - k // 2).clamp(0, length - k)
+    # The first query's window starts the region; the last one's ends at most tile - 1 + k cells later.
+    start = (torch.arange(num_tiles, device=device) * tile - k // 2).clamp(0, length - region)
+    return AxisPlan(length, tile, region, start, lo, lo + k, self_only=k == 1)
+
+
+@cache_per_inference_mode(maxsize=64)
+def blocked_axis(length: int, block_size: int, halo: int, device: torch.device) -> AxisPlan:
+    """HaloNet windows: the queries of block ``[s, s + b)`` see ``[s - halo, s + b + halo)`` cut to the
+    axis; the last block may be partial. One tile is one block."""
+    block, num_tiles, region, _ = blocked_tiling(length, block_size, halo)
+    block_start = torch.arange(num_tiles * block, device=device) // block * block
+    lo = (block_start - halo).clamp_min(0)
+    hi = (block_start + block + halo).clamp_max(length)
+    start = (torch.arange(num_tiles, device=device) * block - halo).clamp(0, length - region)
+    return AxisPlan(length, block, region, start, lo, hi, self_only=block == 1 and (halo == 0 or length == 1))
