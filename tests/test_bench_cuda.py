@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from visattn.bench import cli, timing
+from visattn.bench.memory import start_on_device
 from visattn.bench.ratios import rate_ratio
 from visattn.bench.runners import build_runner
 from visattn.bench.sweep import DTYPES, FLOOR, Case, Result
@@ -299,3 +300,15 @@ def test_cuda_trial_is_capped():
     assert over.status == "oom" and "OutOfMemoryError" in over.message
     fits = run_trial(case, (64, 64), 1 * GiB, timeout=120)
     assert fits.status == "ok" and 2 * 2 * 64**4 * 4 <= fits.peak_bytes < 1 * GiB
+
+
+@pytest.mark.parametrize("device, set_to", [("cuda", None), ("cuda:1", "cuda:1"), ("cpu", None)])
+def test_a_worker_starts_on_a_bare_or_indexed_cuda_device(monkeypatch, device, set_to):
+    """``torch.cuda.set_device`` refuses a device without an index: a bare ``cuda`` stays on the current
+    GPU, ``cuda:N`` is made current; the peak statistics are zeroed on CUDA only."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set", str(d))))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", str(d))))
+    start_on_device(torch.device(device))
+    expected = [] if device == "cpu" else ([("set", set_to)] if set_to else []) + [("reset", device)]
+    assert calls == expected

@@ -22,6 +22,16 @@ from visattn.bench.sweep import Result
 RUNTIME_BYTES = 512 * 2**20
 
 
+def start_on_device(device: torch.device) -> None:
+    """Makes ``device`` this process's GPU where it names one (``cuda:N``; a bare ``cuda`` is the current
+    device, which ``torch.cuda.set_device`` refuses) and zeroes its peak memory statistics. CPU: nothing."""
+    if device.type != "cuda":
+        return
+    if device.index is not None:
+        torch.cuda.set_device(device)
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 def memory_bytes(device: torch.device, peak: bool) -> int:
     """CUDA: allocated now (``peak=False``) or at the peak. CPU: peak RSS of this process so far."""
     if device.type == "cuda":

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from visattn.bench.memory import groups_that_fit, memory_bytes, skip_over_budget
+from visattn.bench.memory import groups_that_fit, memory_bytes, skip_over_budget, start_on_device
 from visattn.bench.runners import build_runner
 from visattn.bench.sweep import FLOOR, Case, Result
 
@@ -128,9 +128,7 @@ def _worker_main(conn: Any, case: Case) -> None:
     timer = step_timer(device)
     try:
         torch.manual_seed(0)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            torch.cuda.reset_peak_memory_stats(device)
+        start_on_device(device)
         runner = build_runner(case)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from visattn.bench.memory import proc_status_bytes
+from visattn.bench.memory import proc_status_bytes, start_on_device
 from visattn.bench.runners import build_runner
 from visattn.bench.sweep import Case
 from visattn.bench.timing import handle_failure, process_context
@@ -73,11 +73,8 @@ def _steps_of(case: Case) -> int:
 def _trial_main(conn: Any, case: Case, limit: int) -> None:
     device = torch.device(case.device)
     try:
-        if device.index is not None:
-            torch.cuda.set_device(device)
+        start_on_device(device)
         cap_memory(device, limit)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         start = _memory_now(device, peak=False)
         torch.manual_seed(0)
         runner = build_runner(case)
