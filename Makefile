@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test bench
+.PHONY: train test test-fast bench device-check
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,5 +17,15 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# The edit-test loop: ops, layers, models and tiled inference; no training, no subprocess, no torch.compile.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q tests/ops tests/layers tests/models tests/tiled -m "not slow and not compile and not cuda"
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/visattn-bench
+
+# On a machine with an NVIDIA GPU: the cuda tests, the GPU benchmark rows and a short bf16 training run,
+# into $(DEVICE_CHECK_OUT) (see scripts/device_check.sh).
+DEVICE_CHECK_OUT ?= device_check_out
+device-check:
+	OUT=$(DEVICE_CHECK_OUT) PYTHON=$(PYTHON) bash scripts/device_check.sh

@@ -155,6 +155,7 @@ def test_flex_refuses_dropout():
         ops.neighborhood_attn(q, k, v, (5, 6), 3, dropout_p=0.1, backend="flex")
 
 
+@pytest.mark.compile
 def test_traces_into_one_graph():
     """Plans and block mask are built inside the graph (no cached fake tensors) without a break."""
     grid, p = (9, 6), 1

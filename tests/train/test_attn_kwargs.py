@@ -11,7 +11,7 @@ from visattn.layers.options import options_per_type
 from visattn.train.attention import resolve_attention
 from visattn.train.cli import resolve_config
 from visattn.train.config import ConfigError
-from tests.test_train import REPO
+from tests.train.test_train import REPO
 
 HIRES = str(REPO / "configs" / "hires_imagefolder.yaml")
 

@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from tests.helpers import load_script
-from tests.test_train import ENV, REPO, TINY, _image_folder, train
+from tests.train.test_train import ENV, REPO, TINY, _image_folder, train
 from visattn.predict import find_images, load_predictor, load_trained_model, predict, read_model_file
 from visattn.predict.cli import main as predict_main
 from visattn.train.config import TrainConfig

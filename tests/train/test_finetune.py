@@ -23,7 +23,7 @@ from visattn.train.cli import resolve_config
 from visattn.train.config import ConfigError
 from visattn.train.initial import load_initial_weights, read_initial_weights
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 MODEL = "vit_tiny_patch16_224"
 # The stock ViT of the file: 32 x 32 images, patch 4 (an 8 x 8 grid), class + 1 register token.

@@ -19,7 +19,7 @@ from visattn.bench.targets import OTHER_TYPES, Target, check_targets
 from visattn.models import auto
 from visattn.train.attention import names_per_block
 from visattn.train.cli import resolve_config
-from tests.test_bench import FAST, TINY_MODEL, _read_csv
+from tests.bench.test_bench import FAST, TINY_MODEL, _read_csv
 
 # The tiny model of TINY_MODEL, as the targets check sees its rows.
 TINY_SETTING = {"kind": "model", "model_kwargs": {"embed_dim": 32, "depth": 1, "num_heads": 2}, "attn_kwargs": {}}

@@ -2,7 +2,7 @@
 
 Each scenario runs the recipe below (every source of randomness on: RandAugment, mixup and cutmix, drop
 path; gradient accumulation) in a run directory, kills it at one or more points of its work
-(:mod:`tests.kill_points`: mid-update, inside a checkpoint save, after the weights of an epoch, between
+(:mod:`tests.train.kill_points`: mid-update, inside a checkpoint save, after the weights of an epoch, between
 epochs, during evaluation, the final test and the plot, during the resume itself), then resumes it with
 ``--resume`` to the end. The resumed run's final and best weights, its last checkpoint (weights,
 optimizer state, random states, trainer state), metrics, summary and list of files must equal those of
@@ -10,7 +10,7 @@ one uninterrupted run of the same seed: ``torch.equal`` on every tensor, ``==`` 
 times and memory. Each kill loses the updates since the newest checkpoint, at most ``--save-every``.
 
 Every run, the uninterrupted one included, is ``train.main`` in a process forked from one server that
-imported train.py once (:class:`tests.kill_points.RunServer`), with one CPU thread.
+imported train.py once (:class:`tests.train.kill_points.RunServer`), with one CPU thread.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import torch
 from accelerate.utils import load as accelerate_load
 from safetensors.torch import load_file
 
-from tests.kill_points import KillPoint, RunServer, log_tail, run_to_end, stop_and_kill
-from tests.test_train import TINY
+from tests.train.kill_points import KillPoint, RunServer, log_tail, run_to_end, stop_and_kill
+from tests.train.test_train import TINY
 from visattn.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import torch
 
 import visattn
 from tests.helpers import assert_rms_close
-from tests.test_bench import _counted_flops, _tiny_model
+from tests.bench.test_bench import _counted_flops, _tiny_model
 from visattn import ops
 from visattn.bench.cli import _parse as parse_bench_args
 from visattn.bench.flops import ViTShape, attention_options, estimate_memory, vit_flops

@@ -10,7 +10,7 @@ import pytest
 import timm
 
 import visattn.train.loop as loop
-from tests.test_train import ENV, REPO, TINY, TRAIN, run_train, train
+from tests.train.test_train import ENV, REPO, TINY, TRAIN, run_train, train
 
 PLAIN_ENV = {key: value for key, value in ENV.items() if key != "OMP_NUM_THREADS"}
 

@@ -24,7 +24,7 @@ from visattn.train.generated import pathfinder as pf
 from visattn.train.generated.common import SPLITS
 from visattn.train.run_log import SUMMARY_FILE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PF_HW = (128, 128)  # the published geometry is for 128 px; smaller canvases scale strokes below 2 px
 CD_HW = (64, 64)
 # A flood fill over the rendered ink must cross a curve's dash gaps (2-3 px) but not the clearance

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_train import ENV, REPO, TINY, TRAIN, run_train
+from tests.train.test_train import ENV, REPO, TINY, TRAIN, run_train
 import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.predict import load_trained_model
 from visattn.train import checkpoint as ckpt

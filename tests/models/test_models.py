@@ -270,6 +270,7 @@ def test_deepcopy_hook_drives_the_copys_layers(attn, attn_kwargs):
     assert all(layer.grid == grid_of(OTHER_IMG) for layer in visattn_layers(model))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("attn, attn_kwargs", ATTN_CASES)
 def test_torch_compile_matches_eager(attn, attn_kwargs):
     """Every token of the features, not only the logits (with one block, class-token pooling would never

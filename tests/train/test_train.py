@@ -31,7 +31,7 @@ from visattn.train.cli import build_parser, parse_args
 from visattn.train.config import ConfigError, TrainConfig, make_config
 from visattn.train.data import TransformedDataset, build_transform, load_splits
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "train.py"
 
 # 96 train / 50 validation / 50 test digits at 16x16, patch 4 (4x4 grid): 6 steps of 16 per epoch.

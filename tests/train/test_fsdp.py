@@ -24,7 +24,7 @@ import visattn  # noqa: F401  (registers the visattn_vit_* models with timm)
 from visattn.train import build
 from visattn.train.config import ConfigError, make_config
 
-FSDP_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp.yaml"
+FSDP_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "fsdp.yaml"
 
 
 @pytest.fixture

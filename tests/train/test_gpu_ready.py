@@ -14,7 +14,7 @@ from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
 
 import visattn  # noqa: F401  (registers the visattn_vit_* models with timm)
-from tests.test_train import REPO, TINY, train
+from tests.train.test_train import REPO, TINY, train
 from visattn.train import build, loop, run_log
 from visattn.train.cli import LAUNCHER_PRECISION, choose_mixed_precision, resolve_config
 from visattn.train.config import ConfigError, make_config

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from tests.fake_datasets import CLASS_COLOURS
+from tests.train.fake_datasets import CLASS_COLOURS
 import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.predict import read_image, to_rgb
 from visattn.train.config import make_config
@@ -30,7 +30,7 @@ from visattn.train.data import (
 from visattn.train.datasets import image_files
 from visattn.train.datasets.image_files import BadImageError, check_image_files, image_samples, load_image
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 CLASSES = ("cats", "dogs", "owls")
 # A 1-block ViT of width 16 at 16x16 with 4x4 patches, one epoch: seconds on a CPU.

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Subset
 
 import visattn  # noqa: F401  (registers the visattn_vit_* models with timm)
-from tests.fake_datasets import CLASS_COLOURS, FAKES, make_fake
+from tests.train.fake_datasets import CLASS_COLOURS, FAKES, make_fake
 from visattn.train.attention import resolve_attention
 from visattn.train.cli import parse_args
 from visattn.train.config import DATASETS, make_config
@@ -23,7 +23,7 @@ from visattn.train.data import DataError, TransformedDataset, build_transform, l
 from visattn.train.datasets import DATASET_SPECS
 from visattn.train.datasets.public import READERS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PUBLIC = sorted(READERS)
 # Attention types whose cost grows (near) linearly with the number of tokens.
 LINEAR_TIME = {"linear", "axial", "neighborhood", "longformer", "linformer", "sparse", "floor"}
