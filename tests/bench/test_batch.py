@@ -378,3 +378,21 @@ def test_models_and_training_runs_choose_for_their_batch(tmp_path, monkeypatch):
     assert config.model_kwargs_for_timm(num_classes=10)["auto_batch_size"] == 32
     config, _, _ = resolve_config(["--model", "visattn_vit_small_patch16", "--attn", "auto", "--batch-size", "2"])
     assert set(names_per_block(config)) == {"softmax"}
+
+
+def _row(attn, device, dtype, seconds):
+    case = Case("model", attn, "infer", (2048, 2048), 4, device, dtype, False, timm_name="vit_small_patch16_224")
+    return Result(case, 16384, (128, 128), 1, 1, 1, times=[seconds] * 5, rounds=list(range(5)))
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_gpu_targets_judge_bf16_cuda_rows_and_cpu_targets_do_not(device):
+    """A bf16 row on any CUDA device is judged by the GPU targets (linear >= 5x timm at 2048 px, batch 4),
+    never by the CPU ones; the same rows in fp32 on CPU are judged by neither (no CPU target at that point)."""
+    rows = [_row("floor", device, "bf16", 0.9), _row("timm", device, "bf16", 6.0), _row("linear", device, "bf16", 1.0)]
+    verdicts = check_targets(rows)
+    linear = [v for v in verdicts if v.attn == "linear" and v.target.measure == "speedup_vs_timm"]
+    assert [(v.target.threshold, v.met) for v in linear] == [(5, True)]
+    assert all(v.target in targets.GPU_TARGETS for v in verdicts)
+    cpu_rows = [_row(r.case.attn, "cpu", "fp32", r.times[0]) for r in rows]
+    assert check_targets(cpu_rows) == []

@@ -254,8 +254,8 @@ def targets_report(verdicts: list[Verdict]) -> list[str]:
     """The targets section: each verdict, and a line naming the ones the spread decided."""
     lines = ["## Targets", ""]
     if not verdicts:
-        return lines + ["No target of visattn/bench/targets.py is at a point of this run, in its setting (ViT-S/16, fp32, "
-                        "each type's default options).", ""]
+        return lines + ["No target of visattn/bench/targets.py is at a point of this run, in its setting (ViT-S/16, "
+                        "each type's default options; fp32 on CPU, bf16 on CUDA).", ""]
     lines += [
         f"Met when the median over the rounds clears the threshold; decided by the spread when the interquartile "
         f"range straddles it; fewer than {MIN_ROUNDS} rounds are flagged.", "",

@@ -3,7 +3,8 @@
 :data:`TARGETS`: each target names a point of the model sweep (mode, square image size, batch size), a
 type (or :data:`OTHER_TYPES`), a measure and a threshold; :func:`check_targets` judges the ones a run
 measured. They are set for ViT-S/16 in fp32 with each type's default options (:data:`TARGET_SETTING`),
-on a 2-core CPU; rows of another setting are not judged. A speed target is met only when the median of
+on a 2-core CPU; :data:`GPU_TARGETS` for the same model in bf16 on one NVIDIA H100 or H200
+(:data:`GPU_TARGET_SETTING`). Rows of another setting are not judged. A speed target is met only when the median of
 its per-round ratio (:mod:`visattn.bench.ratios`) clears the threshold; where the ratio's interquartile
 range straddles the threshold, the verdict says that the spread decided it (a rerun may turn it). Targets
 that are not a ratio at one point (the scaling exponents, the largest image that trains) are judged in
@@ -26,9 +27,10 @@ from visattn.layers import list_attentions
 
 # What a target is stated for: rows whose case differs in any of these fields are not judged.
 TARGET_SETTING: dict[str, Any] = {
-    "kind": "model", "model_name": DEFAULT_MODEL, "timm_name": "vit_small_patch16_224", "dtype": "fp32",
-    "compile": False, "grad_checkpointing": False, "model_kwargs": {}, "attn_kwargs": {},
+    "kind": "model", "model_name": DEFAULT_MODEL, "timm_name": "vit_small_patch16_224", "device": "cpu",
+    "dtype": "fp32", "compile": False, "grad_checkpointing": False, "model_kwargs": {}, "attn_kwargs": {},
 }
+GPU_TARGET_SETTING: dict[str, Any] = TARGET_SETTING | {"device": "cuda", "dtype": "bf16"}
 # A target for every measured type (floor aside) without a target of the same measure at its point.
 OTHER_TYPES = "every other type"
 # Rounds a speed ratio should rest on; a verdict on fewer says so.
@@ -91,6 +93,25 @@ TARGETS: tuple[Target, ...] = (
 )
 
 
+# One NVIDIA H100 or H200, bf16 (GPU_TARGET_SETTING): where the types must win for a GPU user to want them.
+GPU_TARGETS: tuple[Target, ...] = (
+    *_targets("infer", 2048, 4, "speedup_vs_timm", ">=", {
+        "linear": 5, "axial": 4, "neighborhood": 3, "sparse": 3, "longformer": 3,
+    }),
+    *_targets("infer", 2048, 4, "pct_of_floor", ">=", {"linear": 75}),
+    *_targets("infer", 1024, 16, "speedup_vs_timm", ">=", {"linear": 2, OTHER_TYPES: 1.5}),
+    *_targets("infer", 224, 128, "speedup_vs_timm", ">=", {OTHER_TYPES: 0.8}),
+    *_targets("train", 1024, 8, "speedup_vs_timm", ">=", {"linear": 2}),
+    *_targets("train", 1024, 8, "peak_mem_vs_floor", "<=", {"linear": 1.2}),
+    *_targets("train", 2048, 2, "speedup_vs_timm", ">=", {"linear": 4}),
+)
+
+
+def target_sets() -> tuple[tuple[tuple[Target, ...], Mapping[str, Any]], ...]:
+    """(targets, the setting their rows must have): what :func:`check_targets` judges by default."""
+    return (TARGETS, TARGET_SETTING), (GPU_TARGETS, GPU_TARGET_SETTING)
+
+
 @dataclass(frozen=True)
 class Verdict:
     """One target judged on one row: ``value`` is the median of a speed ratio (its spread beside it) or
@@ -117,7 +138,12 @@ class Verdict:
 
 
 def in_setting(result: Result, setting: Mapping[str, Any]) -> bool:
-    return all(getattr(result.case, key) == value for key, value in setting.items())
+    """Whether the row's case has every value of ``setting`` (a device by its type: ``cuda:1`` is ``cuda``)."""
+    def value_of(key: str) -> Any:
+        value = getattr(result.case, key)
+        return value.split(":")[0] if key == "device" else value
+
+    return all(value_of(key) == value for key, value in setting.items())
 
 
 def _judge(target: Target, attn: str, rows: Mapping[str, Result]) -> Verdict | None:
@@ -145,9 +171,11 @@ def _judge(target: Target, attn: str, rows: Mapping[str, Result]) -> Verdict | N
 def check_targets(
     results: list[Result], targets: tuple[Target, ...] | None = None, setting: Mapping[str, Any] | None = None
 ) -> list[Verdict]:
-    """The verdicts on every target (default :data:`TARGETS`) at a point this run measured, in the order of
-    ``targets`` (an :data:`OTHER_TYPES` target in the run's row order), on the rows of ``setting`` (default
-    :data:`TARGET_SETTING`)."""
+    """The verdicts on every target at a point this run measured, in the order of ``targets`` (an
+    :data:`OTHER_TYPES` target in the run's row order), on the rows of ``setting``; by default every set of
+    :func:`target_sets` on the rows of its own setting."""
+    if targets is None and setting is None:
+        return [v for own, own_setting in target_sets() for v in check_targets(results, own, own_setting)]
     targets = TARGETS if targets is None else targets
     setting = TARGET_SETTING if setting is None else setting
     points: dict[tuple[str, tuple[int, int], int], dict[str, Result]] = {}
