@@ -3,6 +3,7 @@
 Every test that takes an attention type runs over visattn.list_attentions(), so a new type is tested
 the day it is registered. Models are tiny (dim 32, 2 heads, 8x8 patches) to stay fast on a CPU.
 """
+import contextlib
 import copy
 
 import pytest
@@ -15,6 +16,7 @@ from timm.models.vision_transformer import ParallelScalingBlock, VisionTransform
 
 import visattn
 from tests.helpers import assert_rms_close
+from visattn.ops.backends import force_backend
 from visattn.layers import GridAttention
 from visattn.layers.cost import MixingMemory
 from visattn.layers.registry import ATTENTION_LAYERS
@@ -518,3 +520,43 @@ def test_convert_unsupported_raises_value_error(make_model, match):
 def test_convert_patch_drop_with_gridless_attention():
     model = visattn.convert(stock("cls", patch_drop_rate=0.5), "softmax").train()
     model(images()).sum().backward()
+
+
+# Grid 17x19 with a class token and a register: the local types' windows cover a small part of it, so they
+# run their tiled (gathered) path, not the dense one that short grids take; rope turns q and k, decay weights
+# linear attention's keys by distance.
+PRODUCTION_IMG = (136, 152)
+PRODUCTION_CASES = [pytest.param(name, {"rope": "axial"}, id=f"{name}-rope") for name in visattn.list_attentions()] + [
+    pytest.param("linear", {"decay": True, "dwconv_kernel": None}, id="linear-decay"),
+]
+
+
+# What the ops choose inside a compiled graph (visattn.ops.backends), where the local types run their
+# tiled path on this grid as in eager
+COMPILED_PATHS = {"linear": "plain", "linear_projection": "split", "axial": "sdpa", "decayed_linear": "autograd"}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("attn, attn_kwargs", PRODUCTION_CASES)
+def test_fullgraph_compiles_forward_and_backward_on_the_production_paths(attn, attn_kwargs):
+    """``torch.compile(fullgraph=True)`` traces every type's training step as one graph (a graph break
+    raises) on a grid where the paths of real images run, and the compiled gradients equal eager ones."""
+    if attn in ("floor", "linformer") and "rope" in attn_kwargs:
+        attn_kwargs = {}  # floor reads neither q nor k; linformer's projected keys have no position to turn
+    model = tiny(attn, attn_kwargs, depth=1, img_size=PRODUCTION_IMG)
+    x = images(PRODUCTION_IMG)
+
+    def step(x):
+        return model.forward_features(x).square().mean()
+
+    # eager on the paths a compiled graph takes (on the CPU, eager training prefers its cache-blocked ones)
+    with contextlib.ExitStack() as paths:
+        for op, name in COMPILED_PATHS.items():
+            paths.enter_context(force_backend(op, name))
+        eager = torch.autograd.grad(step(x), [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+    compiled_step = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled = torch.autograd.grad(compiled_step(x), [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+    for e, c in zip(eager, compiled):
+        assert (e is None) == (c is None)
+        if e is not None:
+            assert_rms_close(c, e, FP32_TOL, "grad")

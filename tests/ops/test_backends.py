@@ -217,7 +217,7 @@ def test_bad_backends_raise():
             pass
     with pytest.raises(ValueError, match="causal=True needs chunk"):
         ops.linear_attn(q, k, v, causal=True, backend="blocked")
-    with pytest.raises(ValueError, match="causal=False needs blocked or plain"):
+    with pytest.raises(ValueError, match="causal=False needs blocked, plain or plain_checkpoint"):
         ops.linear_attn(q, k, v, backend="chunk")
     with pytest.raises(ValueError, match="'cpu_kernels' needs a CPU tensor, dropout_p=0"):
         ops.axial_attn(q, k, v, (3, 4), dropout_p=0.1, backend="cpu_kernels")
@@ -239,6 +239,11 @@ def test_each_device_gets_its_path():
     assert backends.choose_linear_backend(cpu, causal=False) == "blocked"
     assert backends.choose_linear_backend(other, causal=False) == "plain"
     assert backends.choose_linear_backend(other, causal=True) == "chunk"
+    # training off the CPU: the plain matmuls recomputed in the backward; on the CPU never
+    assert backends.choose_linear_backend(other, causal=False, needs_grad=True) == "plain_checkpoint"
+    assert backends.choose_linear_backend(other, causal=True, needs_grad=True) == "chunk"
+    assert backends.choose_linear_backend(cpu, causal=False, needs_grad=True) == "blocked"
+    assert backends.choose_linear_backend(cpu, causal=False, rope_needs_grad=True, needs_grad=True) == "plain"
     with torch.no_grad():
         assert backends.choose_linear_projection_backend(cpu, False, has_qk_norm=False) == "fused_qkv"
         assert backends.choose_linear_projection_backend(other, False, has_qk_norm=False) == "split"

@@ -355,3 +355,39 @@ def test_from_input_refuses_autograd():
     x, weight, qkv_bias, heads, _ = _from_input_case()
     with pytest.raises(ValueError, match="inference only"):
         fused_qkv_linear_attn(x, weight.requires_grad_(True), qkv_bias, heads)
+
+
+def _saved_bytes(fn, *inputs) -> int:
+    """Bytes of the tensors autograd keeps for the backward of ``fn(*inputs)`` (a view counts whole)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().nbytes()) or t, lambda t: t):
+        fn(*inputs)
+    return sum(saved)
+
+
+def test_plain_checkpoint_keeps_the_inputs_not_the_feature_maps():
+    """The path chosen for training off the CPU: equal to plain (outputs and gradients, exactly: the same
+    kernels run again) while autograd keeps only q, k and v, where plain keeps fp32 feature maps of each."""
+    q, k, v = (torch.randn(2, 3, 256, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    plain = lambda q, k, v: ops.linear_attn(q, k, v, backend="plain")
+    lean = lambda q, k, v: ops.linear_attn(q, k, v, backend="plain_checkpoint")
+    out, grads = grads_of(plain, q, k, v)
+    out_lean, grads_lean = grads_of(lean, q, k, v)
+    assert torch.equal(out, out_lean) and all(torch.equal(a, b) for a, b in zip(grads, grads_lean))
+    inputs = 3 * q.untyped_storage().nbytes()
+    assert _saved_bytes(lean, q, k, v) <= inputs
+    assert _saved_bytes(plain, q, k, v) >= 3 * inputs  # fp32 copies: twice the bytes of each bf16 input, and more
+
+
+@pytest.mark.parametrize("backend", ["blocked", "plain", "plain_checkpoint"])
+def test_fp16_sums_over_65536_tokens_do_not_overflow(backend):
+    """phi(k)^T v summed over 65,536 tokens of values near 2 reaches ~2.6e5, past fp16's 65,504: the sums
+    run in fp32, so the fp16 result is finite and equals the fp32 one to fp16's rounding (2^-11 relative)."""
+    q, k = (torch.rand(1, 1, 65536, 8) for _ in range(2))
+    v = 1.5 + torch.rand(1, 1, 65536, 8)
+    half = ops.linear_attn(*(t.half() for t in (q, k, v)), backend=backend)
+    qd, kd, vd = (t.half().double() for t in (q, k, v))
+    phi_q, phi_k = (torch.nn.functional.elu(t) + 1 for t in (qd, kd))  # the sums in fp64 (naive's N x N would not fit)
+    reference = (phi_q @ (phi_k.transpose(-2, -1) @ vd)) / (phi_q @ phi_k.sum(-2, keepdim=True).transpose(-2, -1))
+    assert half.dtype == torch.float16 and torch.isfinite(half).all()
+    torch.testing.assert_close(half.double(), reference, rtol=2**-10, atol=0)

@@ -22,8 +22,10 @@ _log = logging.getLogger(__name__)
 
 BACKENDS: dict[str, tuple[str, ...]] = {
     # visattn.ops.linear_attn: the blocked autograd function (non-causal, CPU), plain batched matmuls
-    # (non-causal; other devices, and what a compiler fuses), the chunked causal product (causal)
-    "linear": ("blocked", "plain", "chunk"),
+    # (non-causal; other devices, and what a compiler fuses), the plain matmuls recomputed in the backward
+    # (non-causal training off the CPU: keeps q, k, v instead of their fp32 feature maps), the chunked
+    # causal product (causal)
+    "linear": ("blocked", "plain", "plain_checkpoint", "chunk"),
     # visattn.ops.decayed_linear_attn: gradients by running the tiled product again (each gradient is one
     # such product; training keeps only its inputs), or by autograd through the tiled product (faster; on a
     # grid of several tiles it keeps about as much as a d x d state per token and head)
@@ -93,15 +95,20 @@ def _eager_on_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def choose_linear_backend(t: torch.Tensor, causal: bool, rope_needs_grad: bool = False) -> str:
+def choose_linear_backend(t: torch.Tensor, causal: bool, rope_needs_grad: bool = False, needs_grad: bool = False) -> str:
     """Causal: the chunked product. Non-causal on the CPU: the blocked autograd function, whose
     cache-sized blocks pay on a CPU and whose backward recomputes the feature maps (and their turns by a
     rope table) instead of keeping them. Elsewhere, inside a compiled graph and with a rope table that
     needs a gradient (``rope_needs_grad``: learned frequencies while training, which the blocked function
     treats as constant): the plain batched matmuls, which GPU kernels run whole and a compiler fuses with
-    the feature maps."""
+    the feature maps; in eager training off the CPU (``needs_grad``) recomputed in the backward, since
+    autograd would keep about six fp32 copies of (B, heads, N, d) per layer for it (at 2048 px in bf16,
+    ViT-S batch 16: more than an 80 GB GPU holds) and the recomputation costs one more forward of the op,
+    a few percent of a block."""
     if causal:
         return "chunk"
+    if needs_grad and t.device.type != "cpu" and not torch.compiler.is_compiling():
+        return "plain_checkpoint"
     return "plain" if rope_needs_grad or not _eager_on_cpu(t) else "blocked"
 
 

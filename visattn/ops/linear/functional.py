@@ -9,7 +9,7 @@ from visattn.ops.checks import check_positive_int
 from visattn.ops.linear.blocked import blocked_linear_attn
 from visattn.ops.linear.chunk import chunk_linear_attn
 from visattn.ops.linear.feature_maps import get_feature_map
-from visattn.ops.linear.plain import plain_linear_attn
+from visattn.ops.linear.plain import checkpointed_plain_linear_attn, plain_linear_attn
 from visattn.ops.rope import check_rope_table
 
 
@@ -32,8 +32,9 @@ def linear_attn(
         causal: each token attends to itself and earlier tokens (raster order).
         chunk_size: tokens per chunk of the causal form.
         eps: lower bound of the normalizer ``phi(q_i) . sum_j phi(k_j)``.
-        backend: ``"blocked"`` (:func:`visattn.ops.linear.blocked_linear_attn`) or ``"plain"``
-            (:func:`visattn.ops.linear.plain_linear_attn`) when non-causal, ``"chunk"``
+        backend: ``"blocked"`` (:func:`visattn.ops.linear.blocked_linear_attn`), ``"plain"``
+            (:func:`visattn.ops.linear.plain_linear_attn`) or ``"plain_checkpoint"`` (the same, recomputed
+            in the backward) when non-causal, ``"chunk"``
             (:func:`visattn.ops.linear.chunk_linear_attn`) when causal; None: chosen by
             :func:`visattn.ops.backends.choose_linear_backend`.
         rope: a rotation table, (N, 2 d) or (heads, N, 2 d) (:mod:`visattn.ops.rope`): the features are
@@ -49,16 +50,19 @@ def linear_attn(
     if rope is not None:
         check_rope_table(q, rope, "linear_attn")
     rope_needs_grad = rope is not None and needs_autograd(rope)
-    name = select_backend("linear", backend, lambda: choose_linear_backend(q, causal, rope_needs_grad))
+    needs_grad = needs_autograd(q, k, v, rope)
+    name = select_backend("linear", backend, lambda: choose_linear_backend(q, causal, rope_needs_grad, needs_grad))
     if causal != (name == "chunk"):
         raise ValueError(
             f"linear_attn: backend {name!r} is {'non-' if causal else ''}causal; causal={causal} needs "
-            f"{'chunk' if causal else 'blocked or plain'}"
+            f"{'chunk' if causal else 'blocked, plain or plain_checkpoint'}"
         )
     if name == "chunk":
         return chunk_linear_attn(q, k, v, feature_map, chunk_size, eps, rope)
     if name == "plain":
         return plain_linear_attn(q, k, v, feature_map, eps, rope)
+    if name == "plain_checkpoint":
+        return checkpointed_plain_linear_attn(q, k, v, feature_map, eps, rope)
     if rope_needs_grad:
         raise ValueError(
             "linear_attn: backend 'blocked' takes a constant rope table; one that needs a gradient (learned "

@@ -3,6 +3,7 @@ that runs where the blocked autograd of :mod:`visattn.ops.linear.blocked` is not
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from visattn.ops.checks import check_qkv
 from visattn.ops.linear.feature_maps import get_feature_map
@@ -44,3 +45,16 @@ def plain_linear_attn(
         den = qf @ kf.sum(dim=-2).unsqueeze(-1)  # (B, h, N, 1)
         out = (apply_rope(qf, rope) @ kv) / den.clamp_min(eps)
     return out.to(v.dtype)
+
+
+def checkpointed_plain_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: str = "elu",
+    eps: float = 1e-6,
+    rope: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`plain_linear_attn` with its fp32 feature maps recomputed in the backward instead of kept:
+    autograd keeps q, k, v (views of the qkv projection, kept anyway) and the rope table."""
+    return checkpoint(plain_linear_attn, q, k, v, feature_map, eps, rope, use_reentrant=False)
