@@ -1,0 +1,32 @@
+"""The GPU check's results page (scripts/device_report.py) from a folder as scripts/device_check.sh leaves it."""
+from __future__ import annotations
+
+import json
+
+from tests.helpers import load_script
+
+report = load_script("device_report").report
+
+
+def test_the_page_copies_the_machine_commands_tests_tables_and_run(tmp_path):
+    (tmp_path / "environment.txt").write_text(
+        "2026-11-27T06:50:13Z\nNVIDIA H200, 143771 MiB, 580.159.04\npython 3.12.3 torch 2.11.0+cu130 cuda 13.0\n"
+    )
+    (tmp_path / "commands.txt").write_text("== infer_2048 (06:51:31, limit 75s): python3 -m visattn.bench ...\n")
+    (tmp_path / "cuda_tests.log").write_text("....\n12 passed, 2170 deselected in 70.01s\n")
+    (tmp_path / "infer_2048").mkdir()
+    (tmp_path / "infer_2048" / "bench.md").write_text("# visattn-bench: title\n\n| attn | images/s |\n|---|---|\n| linear | 41.5 |\n")
+    (tmp_path / "run_linear_4096").mkdir()
+    row = {"epoch": 1, "images_per_s": 512.6, "peak_mem_mib": 18287.4, "mem_kind": "cuda_allocated", "val_acc": 0.1}
+    (tmp_path / "run_linear_4096" / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "train_run.log").write_text("loader alone: 4463 img/s per process over 8 batches of 64 to cuda\n")
+
+    page = report(tmp_path, "abc1234")
+    assert page.startswith("# GPU check, 2026-11-27\n")
+    assert "NVIDIA H200, 143771 MiB, 580.159.04; python 3.12.3 torch 2.11.0+cu130 cuda 13.0. Commit: `abc1234`." in page
+    assert "python3 -m visattn.bench ..." in page
+    assert "`12 passed, 2170 deselected in 70.01s`" in page
+    assert "## infer_2048\n\n## visattn-bench: title" in page and "| linear | 41.5 |" in page
+    assert "- loader alone: `loader alone: 4463 img/s per process over 8 batches of 64 to cuda`" in page
+    assert "- epoch 1: 513 img/s, peak 18287 MiB (cuda_allocated), val acc 10.0%" in page
+    assert "## infer_1024" not in page  # a stage that never ran has no section
