@@ -3,11 +3,13 @@ one rule for which type gets which option, and a recipe's options for a type the
 from __future__ import annotations
 
 import pytest
+import torch
 import timm
 
 import visattn
 from visattn.bench.cli import _parse as parse_bench_args
 from visattn.layers.options import options_per_type
+from visattn.train import attention
 from visattn.train.attention import resolve_attention
 from visattn.train.cli import resolve_config
 from visattn.train.config import ConfigError
@@ -111,3 +113,14 @@ def test_a_key_no_type_takes_is_a_config_error():
     config, _, _ = resolve_config(["--attn", "linear", "--attn-kwargs", "kernel_sise=5"])
     with pytest.raises(ConfigError, match=r"attn_kwargs: unknown option\(s\) kernel_sise"):
         resolve_attention(config)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_auto_chooses_for_the_device_the_run_trains_on(monkeypatch, gpu):
+    """accelerate trains on the GPU where there is one: attn=auto is chosen for that device."""
+    devices = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(attention, "select_attention", lambda *args: devices.append(args[-1]) or "linear")
+    config, _, _ = resolve_config(["--attn", "auto"])
+    assert attention.names_per_block(config) == ["linear"] * config.depth
+    assert devices == ["cuda" if gpu else "cpu"]

@@ -8,6 +8,8 @@ are passed over silently, flat options that no type in use accepts are dropped w
 """
 from __future__ import annotations
 
+import torch
+
 from visattn.layers.options import options_per_type
 from visattn.models import TIMM_ATTENTION
 from visattn.models.auto import select_attention
@@ -16,11 +18,12 @@ from visattn.train.config import ConfigError, TrainConfig
 
 def names_per_block(config: TrainConfig) -> list[str]:
     """The attention type of each block; ``attn="auto"`` chosen as the model will choose it, at the run's
-    batch size per process."""
+    batch size per process, for the device the run trains on (accelerate takes the GPU where there is one)."""
     if config.attn == "auto":
         patch = (config.patch_size, config.patch_size)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
-            return [select_attention(config.model, config.image_hw, patch, config.batch_size)] * config.depth
+            return [select_attention(config.model, config.image_hw, patch, config.batch_size, device)] * config.depth
         except ValueError as error:
             raise ConfigError(f"attn: auto cannot choose for {config.model!r}: {error}") from None
     return [config.attn] * config.depth if isinstance(config.attn, str) else list(config.attn)
