@@ -22,6 +22,7 @@ from typing import Any
 
 import timm
 import torch
+from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from visattn.models.auto import check_auto_batch_size, select_attention
@@ -71,6 +72,30 @@ def create_model(
         embed = model.patch_embed
         names = select_attention(model_name, tuple(embed.img_size), tuple(embed.patch_size), auto_batch_size or 1)
     return convert(model, names, **attn_kwargs)
+
+
+def model_shape(model_name: str) -> dict[str, Any]:
+    """The shape ``timm.create_model(model_name)`` builds when no keyword changes it: ``patch_size``,
+    ``embed_dim``, ``depth``, ``num_heads``, ``mlp_ratio``, ``global_pool``, ``class_token`` (built on the meta
+    device: no memory or time goes into weights).
+
+    Raises:
+        ValueError: ``model_name`` is not a visattn model nor a timm ``VisionTransformer``, or its patches are not
+            square or its MLP is not timm's ``Mlp`` (no single ``patch_size`` or ``mlp_ratio`` describes it).
+    """
+    with torch.device("meta"):
+        model = create_model(model_name, attn=TIMM_ATTENTION)
+    patch_h, patch_w = model.patch_embed.patch_size
+    if patch_h != patch_w:
+        raise ValueError(f"model {model_name!r} has {patch_h}x{patch_w} patches; give --patch-size for square ones")
+    mlp = model.blocks[0].mlp
+    if not isinstance(mlp, Mlp):
+        raise ValueError(f"model {model_name!r} has a {type(mlp).__name__} MLP; give --mlp-ratio for timm's Mlp")
+    return dict(
+        patch_size=int(patch_h), embed_dim=model.embed_dim, depth=len(model.blocks),
+        num_heads=model.blocks[0].attn.num_heads, mlp_ratio=mlp.fc1.out_features / model.embed_dim,
+        global_pool=model.global_pool, class_token=model.cls_token is not None,
+    )
 
 
 def check_vit_name(model_name: str) -> None:

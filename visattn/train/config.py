@@ -22,7 +22,7 @@ from timm.optim import list_optimizers
 
 from visattn.layers import list_attentions
 from visattn.layers.options import load_yaml
-from visattn.models import TIMM_ATTENTION
+from visattn.models import TIMM_ATTENTION, model_shape
 from visattn.train.augment import check_auto_augment
 from visattn.train.datasets import DATASET_SPECS
 from visattn.train.fieldtypes import matches, type_name
@@ -81,7 +81,9 @@ class TrainConfig:
     # model
     model: str = field(
         default="visattn_vit_tiny_patch16",
-        metadata=_help("visattn_vit_* or any timm VisionTransformer name (vit_*, deit_*), converted to --attn"),
+        metadata=_help("visattn_vit_* or any timm VisionTransformer name (vit_*, deit_*), converted to --attn; another "
+                       "model than the recipe's brings its own shape (patch size, width, depth, heads, MLP ratio, "
+                       "pooling, class token) where flags give none"),
     )
     attn: str | list[str] = field(
         default="softmax", metadata=_help("attention type, or one per block comma-separated")
@@ -211,6 +213,10 @@ class TrainConfig:
             **self.model_kwargs,
         }
 
+
+DEFAULT_MODEL: str = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "model")
+# The keys a named model brings its own value of (make_config).
+MODEL_SHAPE_KEYS = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "global_pool", "class_token")
 
 # Model keywords that come from their own config keys or from the dataset (num_classes).
 _OWN_MODEL_KEYS = frozenset(
@@ -351,10 +357,22 @@ def check_keys(values: dict[str, Any], where: str = "") -> dict[str, Any]:
 
 
 def make_config(*layers: dict[str, Any]) -> TrainConfig:
-    """The defaults with each mapping of ``layers`` laid over the previous ones, then checked."""
+    """The defaults with each mapping of ``layers`` laid over the previous ones, then checked.
+
+    A layer that names another model than the layers below it brings that model's own shape
+    (:data:`MODEL_SHAPE_KEYS`, :func:`visattn.models.model_shape`): the shape below was chosen for the model
+    below (the defaults' is the digits recipe's small ViT), and ``--model vit_tiny_patch16_224`` means ViT-Ti.
+    Shape keys the same layer (or a later one) gives still win.
+    """
     values: dict[str, Any] = {}
     for layer in layers:
-        values.update(check_keys(layer))
+        layer = check_keys(layer)
+        if "model" in layer and layer["model"] != values.get("model", DEFAULT_MODEL):
+            try:
+                values.update(model_shape(layer["model"]))
+            except ValueError as error:
+                raise ConfigError(f"model: {error}") from None
+        values.update(layer)
     return TrainConfig(**values)
 
 
