@@ -148,7 +148,16 @@ def load_weights(model: VisionTransformer, state_dict: Mapping[str, torch.Tensor
             whose shapes differ (file vs model), outside what is adapted as the module docstring says.
     """
     target = model.state_dict()
-    source = checkpoint_filter_fn(dict(state_dict), model)
+    try:
+        source = checkpoint_filter_fn(dict(state_dict), model)
+    except (RuntimeError, ValueError):
+        # timm's resampling failed (a reshape of pos_embed to a grid the file does not have): the file is of
+        # another architecture, described here by its keys and shapes instead of timm's traceback
+        adapted = {key for key in (*state_dict, *target) if _is_attention_own(key) or key.startswith(HEAD_PREFIX)}
+        problems = _mismatches(
+            {key: value for key, value in state_dict.items() if key not in adapted}, target, adapted
+        )
+        raise ValueError(f"the weights do not fit the model ({'; '.join(problems)})") from None
     report = LoadReport()
     for key in ("pos_embed", "patch_embed.proj.weight"):
         if key in state_dict and key in source and state_dict[key].shape != source[key].shape:
@@ -166,8 +175,18 @@ def load_weights(model: VisionTransformer, state_dict: Mapping[str, torch.Tensor
             del source[key]
     report.kept_init = sorted(own - set(source))
 
-    expected = {key for key in target if not _is_attention_own(key) and not (report.new_head and key.startswith(HEAD_PREFIX))}
-    missing = sorted(expected - set(source))
+    not_needed = {key for key in target if _is_attention_own(key) or (report.new_head and key.startswith(HEAD_PREFIX))}
+    problems = _mismatches(source, target, not_needed)
+    if problems:
+        raise ValueError(f"the weights do not fit the model ({'; '.join(problems)})")
+    model.load_state_dict(source, strict=False)
+    return report
+
+
+def _mismatches(source: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], not_needed: set[str]) -> list[str]:
+    """What keeps ``source`` from loading into ``target``: keys whose shapes differ (both shapes named), keys
+    missing from the file (outside ``not_needed``), keys the model lacks; [] when it loads."""
+    missing = sorted(set(target) - set(source) - not_needed)
     unexpected = sorted(set(source) - set(target))
     differ = [
         f"{key} {tuple(source[key].shape)} in the file, {tuple(target[key].shape)} in the model"
@@ -181,10 +200,7 @@ def load_weights(model: VisionTransformer, state_dict: Mapping[str, torch.Tensor
         problems.append(f"missing from the file: {_short(missing)}")
     if unexpected:
         problems.append(f"not in the model: {_short(unexpected)}")
-    if problems:
-        raise ValueError(f"the weights do not fit the model ({'; '.join(problems)})")
-    model.load_state_dict(source, strict=False)
-    return report
+    return problems
 
 
 def _is_attention_own(key: str) -> bool:
