@@ -34,6 +34,10 @@ SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "wsd", "rsqrt", "co
 GLOBAL_POOLS = ("avg", "token", "max", "avgmax", "map")
 
 
+# The most patch tokens a patch size chosen for the user makes: a 64 x 64 grid (512 px images, patch 8).
+MAX_DEFAULT_TOKENS = 4096
+
+
 class ConfigError(ValueError):
     """A configuration the training script cannot run; the message names the key and what it accepts."""
 
@@ -93,7 +97,11 @@ class TrainConfig:
         metadata=_help("attention options: key=value for every type in use that takes it, or type={key: value} for one "
                        "type; options no type in use takes are dropped with a notice"),
     )
-    patch_size: int = field(default=2, metadata=_help("patch side; the grid is img_size / patch_size"))
+    patch_size: int | None = field(
+        default=None,
+        metadata=_help(f"patch side; the grid is img_size / patch_size (none: the smallest side from 2 up that divides "
+                       f"the image and keeps the grid at {MAX_DEFAULT_TOKENS:,} tokens or fewer: 2 for the digits)"),
+    )
     embed_dim: int = field(default=64, metadata=_help("token width"))
     depth: int = field(default=4, metadata=_help("number of blocks"))
     num_heads: int = field(default=2, metadata=_help("attention heads"))
@@ -175,6 +183,8 @@ class TrainConfig:
             setattr(self, f.name, _checked(f.name, getattr(self, f.name), FIELD_TYPES[f.name]))
         if self.img_size is None and self.dataset in DATASET_SPECS:
             self.img_size = DATASET_SPECS[self.dataset].default_img_size
+        if self.patch_size is None and self.img_size is not None:
+            self.patch_size = default_patch_size(self.image_hw)
         check_values(self)
 
     # -- derived values -------------------------------------------------------------------------
@@ -224,6 +234,18 @@ _OWN_MODEL_KEYS = frozenset(
      "global_pool", "class_token", "drop_path_rate", "pretrained", "auto_batch_size"}
 )
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(TrainConfig)
+
+
+def default_patch_size(image_hw: tuple[int, int]) -> int:
+    """The smallest patch side from 2 up that divides both image sides and leaves at most MAX_DEFAULT_TOKENS
+    patches: the digits' 16 px get 2 (64 tokens), 512 px images 8 (4,096), 224 px 4 (3,136)."""
+    height, width = image_hw
+    for side in range(2, min(height, width) + 1):
+        if height % side == 0 and width % side == 0 and (height // side) * (width // side) <= MAX_DEFAULT_TOKENS:
+            return side
+    raise ConfigError(
+        f"patch_size: no patch side divides {height}x{width} into at most {MAX_DEFAULT_TOKENS:,} patches; give --patch-size"
+    )
 
 
 # -- value checks -------------------------------------------------------------------------------
