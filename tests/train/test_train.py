@@ -312,6 +312,19 @@ def test_previous_run_survives_bad_input_and_refused_restarts(args, expected, ti
     assert snapshot(run_dir) == before
 
 
+def test_the_same_command_after_a_finished_run_says_where_its_results_are(tiny_run, capsys):
+    """make train twice: the second run of the same settings changes nothing and exits 0 with one line."""
+    run_dir, _ = tiny_run
+    before = snapshot(run_dir)
+    assert train.main([*TINY, "--run-dir", str(run_dir), "--save-every", "4", "--keep-checkpoints", "2"]) == 0
+    out, err = capsys.readouterr()
+    test_acc = json.loads((run_dir / "summary.json").read_text())["test_acc"]
+    assert out.strip() == (f"{run_dir} holds this run, finished: test accuracy {100 * test_acc:.2f}%, results in "
+                           f"{run_dir / 'summary.json'} (--overwrite trains it again)")
+    assert err == "" and snapshot(run_dir) == before
+    # other settings: still refused (the restart-refused case above), naming --resume
+
+
 def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
     folder = tmp_path / "precious"
     folder.mkdir()
