@@ -15,7 +15,7 @@ from visattn.layers.cost import TokenLayout
 from visattn.train.attention import resolve_attention
 from visattn.train.build import build_model
 from visattn.train.config import make_config
-from visattn.train.overview import attention_cost_lines
+from visattn.train.overview import attention_cost_lines, position_options_line
 from visattn.train.run_log import significant
 from tests.train.test_train import ENV, REPO, TINY, TRAIN, run_train, train
 
@@ -34,11 +34,12 @@ def test_the_run_starts_with_an_overview_and_auto_choice(tmp_path):
         mlp_ratio=2.0, num_classes=10, global_pool="avg", class_token=False,
     )
     params = sum(p.numel() for p in model.parameters())
-    overview = result.stdout.splitlines()[:7]
+    overview = result.stdout.splitlines()[:8]
     assert overview == [
         "data: digits, 96 train / 50 validation / 50 test images, 10 classes, resized to 16x16",
         f"model: visattn_vit_tiny_patch16, {params:,} parameters, 4x4 grid of 4x4 patches = 16 tokens",
         "attention: softmax in all 2 blocks (the choice of attn=auto for this model and image size)",
+        "position: softmax with rope off",
         # 4 C N^2 per block: 4 x 16 x 16^2 x 2 blocks
         "attention cost: 32,768 FLOPs per image per forward pass (token mixing of all 2 blocks; full softmax "
         "attention: 32,768 FLOPs)",
@@ -130,3 +131,17 @@ def test_the_start_states_the_attention_cost_and_warns_past_4096_tokens():
                           "depth": 2, "num_heads": 2})
     resolve_attention(config)
     assert len(attention_cost_lines(config, build_model(config, num_classes=3))) == 1  # patch 8: no warning
+
+
+@pytest.mark.parametrize("values, line", [
+    ({"attn": "linear", "attn_kwargs": {"decay": True, "rope": "axial"}}, "position: linear with rope axial, decay on"),
+    ({"attn": "linear"}, "position: linear with rope off, decay off"),
+    ({"attn": ["linear", "axial"], "depth": 2, "attn_kwargs": {"rope": "mixed"}},
+     "position: linear with rope mixed, decay off; axial with rope mixed"),
+    ({"attn": "floor"}, None),  # takes neither
+    ({"attn": "timm"}, None),  # timm's own Attention
+], ids=["linear-rope-decay", "linear-plain", "per-block", "floor", "timm"])
+def test_the_start_says_whether_rope_and_decay_are_on(values, line):
+    config = make_config(values)
+    resolve_attention(config)
+    assert position_options_line(config) == line

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from visattn.layers import attention_options, get_attention
+from visattn.layers import attention_options, get_attention, list_attentions
 from visattn.layers.cost import TokenLayout
 from visattn.train.config import MAX_DEFAULT_TOKENS, TrainConfig
 from visattn.train.data import DataSplits, ImageCheck, describe_unreadable
@@ -23,6 +23,24 @@ def attention_line(names: list[str], auto: bool) -> str:
     else:
         text = f"attention per block: {', '.join(names)}"
     return text + (" (the choice of attn=auto for this model and image size)" if auto else "")
+
+
+def position_options_line(config: TrainConfig) -> str | None:
+    """'position: linear with rope axial, decay on' for each type in use that takes rope or decay (from its
+    defaults and the resolved attn_kwargs); None where no type in use takes either (floor, attn=timm)."""
+    names = list(dict.fromkeys(config.attn if isinstance(config.attn, list) else [config.attn]))
+    parts = []
+    for name in names:
+        if name not in list_attentions():
+            continue  # timm's own Attention
+        options = get_attention(name).type_options() | (
+            config.attn_kwargs.get(name, {}) if isinstance(config.attn, list) else config.attn_kwargs
+        )
+        said = [f"rope {options['rope'] or 'off'}" if "rope" in options else "",
+                f"decay {'off' if options['decay'] in (None, False) else 'on'}" if "decay" in options else ""]
+        if any(said):
+            parts.append(f"{name} with {', '.join(text for text in said if text)}")
+    return f"position: {'; '.join(parts)}" if parts else None
 
 
 def attention_cost_lines(config: TrainConfig, model: nn.Module) -> list[str]:
@@ -101,6 +119,7 @@ def run_overview(
         f"model: {config.model}, {params:,} parameters, {rows}x{cols} grid of {patch_h}x{patch_w} patches = "
         f"{rows * cols:,} tokens" + (f" + {prefix} prefix" if prefix else ""),
         attention_line(names, auto),
+        *filter(None, [position_options_line(config)]),
         *attention_cost_lines(config, model),
         f"training: {_count(num_processes, 'process', 'processes')}{threads} x batch {config.batch_size} = "
         f"{global_batch} images per step{update_text}; {_count(config.epochs, 'epoch')} of {_count(batches_per_epoch, 'step')} "
