@@ -10,9 +10,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
+# Again: a finished run prints where its results are; an interrupted one resumes from its last checkpoint.
+TRAIN_RUN_DIR := runs/digits-axial
 train: $(VENV)/.installed
 	$(VENV)/bin/accelerate launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-		train.py --attn axial
+		train.py --attn axial --run-dir $(TRAIN_RUN_DIR) \
+		$(if $(wildcard $(TRAIN_RUN_DIR)/checkpoints/step_*),$(if $(wildcard $(TRAIN_RUN_DIR)/summary.json),,--resume))
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -5,6 +5,9 @@
     accelerate launch --multi_gpu --num_processes 2 train.py --attn axial
     python train.py --attn axial --resume               # continue runs/digits-axial from its last checkpoint
 
+The same command once its run has finished prints where the results are and exits 0; with other settings
+it refuses (--resume, --overwrite or another --run-dir say what to do).
+
 Every recipe key is a flag (``python train.py --help``); ``--config FILE`` loads a YAML recipe that flags
 override. The run directory gets the effective config, checkpoints (each epoch and every
 ``--save-every`` updates), per-epoch metrics, a plot, and the best and last weights as safetensors
@@ -28,7 +31,7 @@ from visattn.train.build import (
     build_accelerator, build_criterion, build_loaders, build_mixup, build_model, build_optimizer, build_scheduler,
     compile_backend, compile_model, default_cpu_threads, load_data, measure_loader, process_state, worker_notice,
 )
-from visattn.train.cli import RunOptions, resolve_config
+from visattn.train.cli import RunOptions, finished_run_line, resolve_config
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import DataError
 from visattn.train.initial import load_initial_weights, read_initial_weights
@@ -148,6 +151,11 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
 def main(argv: list[str] | None = None) -> int:
     try:
         config, options, changes = resolve_config(argv)
+        finished = None if options.resume or options.overwrite else finished_run_line(config)
+        if finished is not None:  # the same command again: nothing to train, and no reason to fail
+            if process_state().is_main_process:
+                print(finished)
+            return 0
         if changes and process_state().is_main_process:
             print(f"resuming {config.run_dir} with changed settings: {'; '.join(changes)}")
         with contextlib.ExitStack() as held:

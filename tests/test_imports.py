@@ -10,9 +10,11 @@ import ast
 import subprocess
 import sys
 import tomllib
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement  # pytest's own dependency
 
 import visattn
 
@@ -161,3 +163,25 @@ def test_core_dependencies_leave_training_and_benchmark_to_extras():
     assert any(dep.startswith("accelerate") for dep in extras["train"])
     assert any(dep.startswith("matplotlib") for dep in extras["bench"])
 
+
+
+def test_declared_python_floor_has_the_standard_modules_the_code_and_tests_import():
+    """tomllib is in the standard library from Python 3.11 on; a lower requires-python would promise an
+    install whose tests cannot even be collected."""
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
+    floor = tuple(int(part) for part in requires.removeprefix(">=").split("."))
+    importers = [path for path in (*REPO.joinpath("tests").rglob("*.py"), *PACKAGE_DIR.rglob("*.py"))
+                 if any(isinstance(node, ast.Import) and any(a.name == "tomllib" for a in node.names)
+                        for node in ast.walk(ast.parse(path.read_text())))]
+    assert importers, "no module imports tomllib any more: the floor may come down"
+    assert floor >= (3, 11), f"requires-python {requires!r}, but {importers[0]} imports tomllib (Python 3.11+)"
+
+
+def test_installed_versions_meet_the_declared_floors():
+    """The environment the tests run in is one the declared ranges allow."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = [Requirement(dep) for dep in (*project["dependencies"], *project["optional-dependencies"]["train"])]
+    for requirement in declared:
+        if requirement.name in {"torch", "torchvision", "timm", "accelerate"}:
+            installed = version(requirement.name).split("+")[0]
+            assert requirement.specifier.contains(installed), f"{requirement.name} {installed} outside {requirement}"

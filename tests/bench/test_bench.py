@@ -17,9 +17,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import visattn
 from visattn.bench import cli, report, runners, timing
-from visattn.bench.flops import ViTShape, attention_options, estimate_memory, mixing_flops, train_flops, vit_flops
+from visattn.bench.flops import ViTShape, estimate_memory, mixing_flops, train_flops, vit_flops
 from visattn.bench.sweep import Case, Result, plan_model_sweep, plan_ops_sweep
-from visattn.layers import ATTENTION_LAYERS, GridAttention
+from visattn.layers import ATTENTION_LAYERS, GridAttention, attention_options
 from visattn.layers.cost import MixingMemory, TokenLayout
 from visattn.layers.local import LocalWindowAttention
 from visattn.models import auto

@@ -124,6 +124,21 @@ def test_a_checkpoint_of_another_shape_is_one_line_naming_the_shapes(tmp_path, c
     assert not run_dir.exists()  # nothing written
 
 
+def test_a_checkpoint_with_other_prefix_tokens_is_one_line_naming_the_shapes(tmp_path, capsys):
+    """timm cannot resample a position embedding whose token count is not prefix + a square grid (its reshape
+    fails): the run stops with one line naming pos_embed's two shapes and the class token, not timm's traceback."""
+    path = tmp_path / "with-class-token.safetensors"
+    save_file(stock_vit(10).state_dict(), str(path))  # 1 class + 1 register token, an 8 x 8 grid: 66 positions
+    run_dir = tmp_path / "run"
+    args = [*FINETUNE, "--no-class-token", "--global-pool", "avg", "--initial-checkpoint", str(path), "--run-dir", str(run_dir)]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "pos_embed (1, 66, 32) in the file, (1, 145, 32) in the model" in err
+    assert "not in the model: cls_token" in err
+    assert "is invalid for input" not in err and not run_dir.exists()
+
+
 def test_a_pickled_object_is_refused(tmp_path, capsys):
     path = tmp_path / "model.pth"
     torch.save(stock_vit(10), path)  # the whole module, not a state dict

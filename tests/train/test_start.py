@@ -10,6 +10,13 @@ import pytest
 import timm
 
 import visattn.train.loop as loop
+from visattn.layers import attention_options, get_attention
+from visattn.layers.cost import TokenLayout
+from visattn.train.attention import resolve_attention
+from visattn.train.build import build_model
+from visattn.train.config import make_config
+from visattn.train.overview import attention_cost_lines, position_options_line
+from visattn.train.run_log import significant
 from tests.train.test_train import ENV, REPO, TINY, TRAIN, run_train, train
 
 PLAIN_ENV = {key: value for key, value in ENV.items() if key != "OMP_NUM_THREADS"}
@@ -27,11 +34,15 @@ def test_the_run_starts_with_an_overview_and_auto_choice(tmp_path):
         mlp_ratio=2.0, num_classes=10, global_pool="avg", class_token=False,
     )
     params = sum(p.numel() for p in model.parameters())
-    overview = result.stdout.splitlines()[:6]
+    overview = result.stdout.splitlines()[:8]
     assert overview == [
         "data: digits, 96 train / 50 validation / 50 test images, 10 classes, resized to 16x16",
         f"model: visattn_vit_tiny_patch16, {params:,} parameters, 4x4 grid of 4x4 patches = 16 tokens",
         "attention: softmax in all 2 blocks (the choice of attn=auto for this model and image size)",
+        "position: softmax with rope off",
+        # 4 C N^2 per block: 4 x 16 x 16^2 x 2 blocks
+        "attention cost: 32,768 FLOPs per image per forward pass (token mixing of all 2 blocks; full softmax "
+        "attention: 32,768 FLOPs)",
         "training: 1 process (1 CPU thread each) x batch 16 = 16 images per step; 1 epoch of 6 steps (6 updates each)",
         f"run directory: {tmp_path / 'run'}",
         "warning: the warm-up (1 epoch) does not end before the run (1 epoch): the learning rate never reaches "
@@ -88,3 +99,49 @@ def test_one_line_error_under_accelerate_launch():
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert result.stderr == "error: --epochs: expected int, got 'two'\n"
+
+
+def test_a_dataset_without_a_recipe_gets_a_patch_size_of_at_most_4096_tokens():
+    assert make_config({}).patch_size == 2  # the digits: 16 px, an 8 x 8 grid
+    config = make_config({"dataset": "imagefolder", "data_dir": "images"})  # 512 px
+    assert (config.img_size, config.patch_size) == (512, 8)  # 64 x 64 = 4,096 tokens, not 65,536
+    assert make_config({"dataset": "imagefolder", "data_dir": "images", "img_size": [224, 160]}).patch_size == 4  # 56 x 40
+    assert make_config({"dataset": "imagefolder", "data_dir": "images", "patch_size": 2}).patch_size == 2  # given: kept
+
+
+def test_the_start_states_the_attention_cost_and_warns_past_4096_tokens():
+    """512 px images in 2 x 2 patches: a 256 x 256 grid. The line sums the type's cost model over the blocks and
+    sets full softmax attention beside it (4 C N^2 per block)."""
+    config = make_config({"dataset": "imagefolder", "data_dir": "images", "patch_size": 2, "attn": "axial",
+                          "embed_dim": 16, "depth": 2, "num_heads": 2})
+    resolve_attention(config)
+    model = build_model(config, num_classes=3)
+    lines = attention_cost_lines(config, model)
+    layout = TokenLayout((256, 256), 0)
+    axial = get_attention("axial").mixing_flops(layout, 2, 8, attention_options("axial", {}, (256, 256)))
+    softmax = 4 * 16 * 65536**2
+    assert axial < softmax / 100
+    assert lines == [
+        f"attention cost: {significant(2 * axial / 1e9)} GFLOPs per image per forward pass (token mixing of all 2 "
+        "blocks; full softmax attention: 550 GFLOPs)",  # 2 x 4 x 16 x 65,536^2
+        "warning: 65,536 tokens per image, more than the 4,096 a default patch size makes: a larger --patch-size "
+        "or a smaller --img-size cuts the cost",
+    ]
+    config = make_config({"dataset": "imagefolder", "data_dir": "images", "attn": "axial", "embed_dim": 16,
+                          "depth": 2, "num_heads": 2})
+    resolve_attention(config)
+    assert len(attention_cost_lines(config, build_model(config, num_classes=3))) == 1  # patch 8: no warning
+
+
+@pytest.mark.parametrize("values, line", [
+    ({"attn": "linear", "attn_kwargs": {"decay": True, "rope": "axial"}}, "position: linear with rope axial, decay on"),
+    ({"attn": "linear"}, "position: linear with rope off, decay off"),
+    ({"attn": ["linear", "axial"], "depth": 2, "attn_kwargs": {"rope": "mixed"}},
+     "position: linear with rope mixed, decay off; axial with rope mixed"),
+    ({"attn": "floor"}, None),  # takes neither
+    ({"attn": "timm"}, None),  # timm's own Attention
+], ids=["linear-rope-decay", "linear-plain", "per-block", "floor", "timm"])
+def test_the_start_says_whether_rope_and_decay_are_on(values, line):
+    config = make_config(values)
+    resolve_attention(config)
+    assert position_options_line(config) == line

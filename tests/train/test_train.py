@@ -25,6 +25,7 @@ from sklearn.model_selection import train_test_split
 import visattn
 from tests.helpers import rms_rel_err
 import train  # the script at the repository root, importable from there as pytest runs the tests
+from visattn.models import create_model
 from visattn.predict import load_trained_model
 from visattn.train import build, data, loop
 from visattn.train.cli import build_parser, parse_args
@@ -311,6 +312,19 @@ def test_previous_run_survives_bad_input_and_refused_restarts(args, expected, ti
     assert snapshot(run_dir) == before
 
 
+def test_the_same_command_after_a_finished_run_says_where_its_results_are(tiny_run, capsys):
+    """make train twice: the second run of the same settings changes nothing and exits 0 with one line."""
+    run_dir, _ = tiny_run
+    before = snapshot(run_dir)
+    assert train.main([*TINY, "--run-dir", str(run_dir), "--save-every", "4", "--keep-checkpoints", "2"]) == 0
+    out, err = capsys.readouterr()
+    test_acc = json.loads((run_dir / "summary.json").read_text())["test_acc"]
+    assert out.strip() == (f"{run_dir} holds this run, finished: test accuracy {100 * test_acc:.2f}%, results in "
+                           f"{run_dir / 'summary.json'} (--overwrite trains it again)")
+    assert err == "" and snapshot(run_dir) == before
+    # other settings: still refused (the restart-refused case above), naming --resume
+
+
 def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
     folder = tmp_path / "precious"
     folder.mkdir()
@@ -438,6 +452,36 @@ def test_flags_override_the_config_file_which_overrides_the_defaults(tmp_path):
     assert (config.lr, config.epochs, config.attn, config.attn_kwargs) == (1e-3, 9, ["axial", "softmax"], {"kernel_size": 5})
     assert config.batch_size == TrainConfig().batch_size
     assert options.config_file == str(recipe)
+
+
+def test_a_named_timm_model_brings_its_own_shape():
+    """--model vit_tiny_patch16_224 is ViT-Ti (width 192, depth 12, 3 heads, patch 16, class token), not the digits
+    recipe's small ViT under the stock name; a flag given with it still wins."""
+    _, from_flags, _ = parse_args(["--model", "vit_tiny_patch16_224", "--attn", "linear"])
+    config = make_config(from_flags)
+    assert (config.patch_size, config.embed_dim, config.depth, config.num_heads, config.mlp_ratio) == (16, 192, 12, 3, 4.0)
+    assert (config.global_pool, config.class_token) == ("token", True)
+    model = build.build_model(config, num_classes=10)
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for p in create_model("vit_tiny_patch16_224", attn="linear", img_size=16, num_classes=10).parameters()
+    )
+    _, from_flags, _ = parse_args(["--model", "vit_small_patch16_224", "--depth", "2", "--patch-size", "4"])
+    config = make_config(from_flags)
+    assert (config.patch_size, config.embed_dim, config.depth, config.num_heads) == (4, 384, 2, 6)
+
+
+def test_a_recipe_keeps_its_shape_unless_another_model_is_named(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: visattn_vit_small_patch16\npatch_size: 4\nembed_dim: 96\n")
+    from_file, _, _ = parse_args(["--config", str(recipe)])
+    # the recipe's model: its own shape where the recipe gives none, the recipe's where it does
+    assert (make_config(from_file).patch_size, make_config(from_file).embed_dim, make_config(from_file).depth) == (4, 96, 12)
+    from_file, from_flags, _ = parse_args(["--config", str(recipe), "--model", "visattn_vit_small_patch16", "--depth", "3"])
+    assert (make_config(from_file, from_flags).patch_size, make_config(from_file, from_flags).depth) == (4, 3)
+    from_file, from_flags, _ = parse_args(["--config", str(recipe), "--model", "vit_tiny_patch16_224"])
+    assert (make_config(from_file, from_flags).patch_size, make_config(from_file, from_flags).embed_dim) == (16, 192)
+    # the defaults' model named again keeps the defaults' shape
+    assert make_config({"model": TrainConfig().model}) == TrainConfig()
 
 
 def test_mapping_flags_take_key_value_words_or_a_mapping():

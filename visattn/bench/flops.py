@@ -81,15 +81,6 @@ class ViTShape:
         return TokenLayout(self.grid(img_size), self.num_prefix_tokens)
 
 
-def attention_options(attn: str, attn_kwargs: Mapping[str, Any], grid: tuple[int, int]) -> dict[str, Any]:
-    """The type options a layer is built with: its constructor defaults, ``ref_grid`` set to the model's
-    grid (as :func:`visattn.convert` does), then ``attn_kwargs``."""
-    options = get_attention(attn).type_options()
-    if "ref_grid" in options:
-        options["ref_grid"] = tuple(grid)
-    return options | dict(attn_kwargs)
-
-
 def mixing_flops(attn: str, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any]) -> int:
     """Forward FLOPs of one block's token mixing for one image."""
     return get_attention(attn).mixing_flops(layout, num_heads, head_dim, options)

@@ -12,8 +12,8 @@ import timm
 import torch
 
 import visattn.models  # noqa: F401  (registers the visattn_vit_* models with timm)
-from visattn.bench.flops import ViTShape, attention_options, estimate_memory, train_flops, vit_flops
-from visattn.layers import GridAttention, get_attention
+from visattn.bench.flops import ViTShape, estimate_memory, train_flops, vit_flops
+from visattn.layers import GridAttention, attention_options, get_attention
 from visattn.layers.cost import MixingMemory, TokenLayout
 from visattn.tiled import TiledViT, tile_layout
 

@@ -1,7 +1,7 @@
 """timm integration: the registered visattn ViTs, :func:`convert` for existing timm ViTs, and ``attn="auto"``."""
 from visattn.models.auto import select_attention
 from visattn.models.convert import TIMM_ATTENTION, PatchGridHook, convert
-from visattn.models.create import LoadReport, create_model, load_weights
+from visattn.models.create import LoadReport, create_model, load_weights, model_shape
 from visattn.models.shapes import MODEL_SHAPES
 from visattn.models.vit import visattn_vit_base_patch16, visattn_vit_small_patch16, visattn_vit_tiny_patch16
 
@@ -13,6 +13,7 @@ __all__ = [
     "convert",
     "create_model",
     "load_weights",
+    "model_shape",
     "select_attention",
     "visattn_vit_base_patch16",
     "visattn_vit_small_patch16",

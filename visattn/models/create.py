@@ -22,6 +22,7 @@ from typing import Any
 
 import timm
 import torch
+from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from visattn.models.auto import check_auto_batch_size, select_attention
@@ -71,6 +72,30 @@ def create_model(
         embed = model.patch_embed
         names = select_attention(model_name, tuple(embed.img_size), tuple(embed.patch_size), auto_batch_size or 1)
     return convert(model, names, **attn_kwargs)
+
+
+def model_shape(model_name: str) -> dict[str, Any]:
+    """The shape ``timm.create_model(model_name)`` builds when no keyword changes it: ``patch_size``,
+    ``embed_dim``, ``depth``, ``num_heads``, ``mlp_ratio``, ``global_pool``, ``class_token`` (built on the meta
+    device: no memory or time goes into weights).
+
+    Raises:
+        ValueError: ``model_name`` is not a visattn model nor a timm ``VisionTransformer``, or its patches are not
+            square or its MLP is not timm's ``Mlp`` (no single ``patch_size`` or ``mlp_ratio`` describes it).
+    """
+    with torch.device("meta"):
+        model = create_model(model_name, attn=TIMM_ATTENTION)
+    patch_h, patch_w = model.patch_embed.patch_size
+    if patch_h != patch_w:
+        raise ValueError(f"model {model_name!r} has {patch_h}x{patch_w} patches; give --patch-size for square ones")
+    mlp = model.blocks[0].mlp
+    if not isinstance(mlp, Mlp):
+        raise ValueError(f"model {model_name!r} has a {type(mlp).__name__} MLP; give --mlp-ratio for timm's Mlp")
+    return dict(
+        patch_size=int(patch_h), embed_dim=model.embed_dim, depth=len(model.blocks),
+        num_heads=model.blocks[0].attn.num_heads, mlp_ratio=mlp.fc1.out_features / model.embed_dim,
+        global_pool=model.global_pool, class_token=model.cls_token is not None,
+    )
 
 
 def check_vit_name(model_name: str) -> None:
@@ -123,7 +148,16 @@ def load_weights(model: VisionTransformer, state_dict: Mapping[str, torch.Tensor
             whose shapes differ (file vs model), outside what is adapted as the module docstring says.
     """
     target = model.state_dict()
-    source = checkpoint_filter_fn(dict(state_dict), model)
+    try:
+        source = checkpoint_filter_fn(dict(state_dict), model)
+    except (RuntimeError, ValueError):
+        # timm's resampling failed (a reshape of pos_embed to a grid the file does not have): the file is of
+        # another architecture, described here by its keys and shapes instead of timm's traceback
+        adapted = {key for key in (*state_dict, *target) if _is_attention_own(key) or key.startswith(HEAD_PREFIX)}
+        problems = _mismatches(
+            {key: value for key, value in state_dict.items() if key not in adapted}, target, adapted
+        )
+        raise ValueError(f"the weights do not fit the model ({'; '.join(problems)})") from None
     report = LoadReport()
     for key in ("pos_embed", "patch_embed.proj.weight"):
         if key in state_dict and key in source and state_dict[key].shape != source[key].shape:
@@ -141,8 +175,18 @@ def load_weights(model: VisionTransformer, state_dict: Mapping[str, torch.Tensor
             del source[key]
     report.kept_init = sorted(own - set(source))
 
-    expected = {key for key in target if not _is_attention_own(key) and not (report.new_head and key.startswith(HEAD_PREFIX))}
-    missing = sorted(expected - set(source))
+    not_needed = {key for key in target if _is_attention_own(key) or (report.new_head and key.startswith(HEAD_PREFIX))}
+    problems = _mismatches(source, target, not_needed)
+    if problems:
+        raise ValueError(f"the weights do not fit the model ({'; '.join(problems)})")
+    model.load_state_dict(source, strict=False)
+    return report
+
+
+def _mismatches(source: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], not_needed: set[str]) -> list[str]:
+    """What keeps ``source`` from loading into ``target``: keys whose shapes differ (both shapes named), keys
+    missing from the file (outside ``not_needed``), keys the model lacks; [] when it loads."""
+    missing = sorted(set(target) - set(source) - not_needed)
     unexpected = sorted(set(source) - set(target))
     differ = [
         f"{key} {tuple(source[key].shape)} in the file, {tuple(target[key].shape)} in the model"
@@ -156,10 +200,7 @@ def load_weights(model: VisionTransformer, state_dict: Mapping[str, torch.Tensor
         problems.append(f"missing from the file: {_short(missing)}")
     if unexpected:
         problems.append(f"not in the model: {_short(unexpected)}")
-    if problems:
-        raise ValueError(f"the weights do not fit the model ({'; '.join(problems)})")
-    model.load_state_dict(source, strict=False)
-    return report
+    return problems
 
 
 def _is_attention_own(key: str) -> bool:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from visattn.layers import list_attentions
@@ -22,6 +24,7 @@ from visattn.layers.options import parse_key_values
 from visattn.models import TIMM_ATTENTION
 from visattn.train.attention import resolve_attention
 from visattn.train.rundir import CONFIG_FILE, is_run_dir
+from visattn.train.run_log import SUMMARY_FILE
 from visattn.train.config import (
     FIELD_TYPES, MIXED_PRECISION, ConfigError, TrainConfig, changed_keys, check_keys, make_config, read_yaml,
 )
@@ -139,6 +142,20 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, RunOptio
     changes = [] if saved is None else changed_keys(saved, _as_built(config))
     config.run_dir = str(run_dir)
     return config, dataclasses.replace(options, precision_note=note), changes
+
+
+def finished_run_line(config: TrainConfig) -> str | None:
+    """One line when ``config.run_dir`` holds a finished run (its summary written) of these very settings: what
+    a command that repeats a run prints instead of refusing (``make train`` twice); None otherwise."""
+    run_dir = Path(config.run_dir)
+    summary_file = run_dir / SUMMARY_FILE
+    if not (is_run_dir(run_dir) and summary_file.is_file()):
+        return None
+    if changed_keys(make_config(read_yaml(run_dir / CONFIG_FILE)), _as_built(config)):
+        return None
+    test_acc = json.loads(summary_file.read_text())["test_acc"]
+    return (f"{run_dir} holds this run, finished: test accuracy {100 * test_acc:.2f}%, results in {summary_file} "
+            f"(--overwrite trains it again)")
 
 
 def choose_mixed_precision(configured: str, from_flag: bool, launcher: str | None) -> tuple[str, str]:

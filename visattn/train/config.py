@@ -22,7 +22,7 @@ from timm.optim import list_optimizers
 
 from visattn.layers import list_attentions
 from visattn.layers.options import load_yaml
-from visattn.models import TIMM_ATTENTION
+from visattn.models import TIMM_ATTENTION, model_shape
 from visattn.train.augment import check_auto_augment
 from visattn.train.datasets import DATASET_SPECS
 from visattn.train.fieldtypes import matches, type_name
@@ -32,6 +32,10 @@ DATASETS = tuple(DATASET_SPECS)
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "wsd", "rsqrt", "constant")
 GLOBAL_POOLS = ("avg", "token", "max", "avgmax", "map")
+
+
+# The most patch tokens a patch size chosen for the user makes: a 64 x 64 grid (512 px images, patch 8).
+MAX_DEFAULT_TOKENS = 4096
 
 
 class ConfigError(ValueError):
@@ -81,7 +85,9 @@ class TrainConfig:
     # model
     model: str = field(
         default="visattn_vit_tiny_patch16",
-        metadata=_help("visattn_vit_* or any timm VisionTransformer name (vit_*, deit_*), converted to --attn"),
+        metadata=_help("visattn_vit_* or any timm VisionTransformer name (vit_*, deit_*), converted to --attn; another "
+                       "model than the recipe's brings its own shape (patch size, width, depth, heads, MLP ratio, "
+                       "pooling, class token) where flags give none"),
     )
     attn: str | list[str] = field(
         default="softmax", metadata=_help("attention type, or one per block comma-separated")
@@ -91,7 +97,11 @@ class TrainConfig:
         metadata=_help("attention options: key=value for every type in use that takes it, or type={key: value} for one "
                        "type; options no type in use takes are dropped with a notice"),
     )
-    patch_size: int = field(default=2, metadata=_help("patch side; the grid is img_size / patch_size"))
+    patch_size: int | None = field(
+        default=None,
+        metadata=_help(f"patch side; the grid is img_size / patch_size (none: the smallest side from 2 up that divides "
+                       f"the image and keeps the grid at {MAX_DEFAULT_TOKENS:,} tokens or fewer: 2 for the digits)"),
+    )
     embed_dim: int = field(default=64, metadata=_help("token width"))
     depth: int = field(default=4, metadata=_help("number of blocks"))
     num_heads: int = field(default=2, metadata=_help("attention heads"))
@@ -173,6 +183,8 @@ class TrainConfig:
             setattr(self, f.name, _checked(f.name, getattr(self, f.name), FIELD_TYPES[f.name]))
         if self.img_size is None and self.dataset in DATASET_SPECS:
             self.img_size = DATASET_SPECS[self.dataset].default_img_size
+        if self.patch_size is None and self.img_size is not None:
+            self.patch_size = default_patch_size(self.image_hw)
         check_values(self)
 
     # -- derived values -------------------------------------------------------------------------
@@ -212,12 +224,28 @@ class TrainConfig:
         }
 
 
+DEFAULT_MODEL: str = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "model")
+# The keys a named model brings its own value of (make_config).
+MODEL_SHAPE_KEYS = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "global_pool", "class_token")
+
 # Model keywords that come from their own config keys or from the dataset (num_classes).
 _OWN_MODEL_KEYS = frozenset(
     {"attn", "attn_kwargs", "img_size", "patch_size", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
      "global_pool", "class_token", "drop_path_rate", "pretrained", "auto_batch_size"}
 )
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(TrainConfig)
+
+
+def default_patch_size(image_hw: tuple[int, int]) -> int:
+    """The smallest patch side from 2 up that divides both image sides and leaves at most MAX_DEFAULT_TOKENS
+    patches: the digits' 16 px get 2 (64 tokens), 512 px images 8 (4,096), 224 px 4 (3,136)."""
+    height, width = image_hw
+    for side in range(2, min(height, width) + 1):
+        if height % side == 0 and width % side == 0 and (height // side) * (width // side) <= MAX_DEFAULT_TOKENS:
+            return side
+    raise ConfigError(
+        f"patch_size: no patch side divides {height}x{width} into at most {MAX_DEFAULT_TOKENS:,} patches; give --patch-size"
+    )
 
 
 # -- value checks -------------------------------------------------------------------------------
@@ -351,10 +379,22 @@ def check_keys(values: dict[str, Any], where: str = "") -> dict[str, Any]:
 
 
 def make_config(*layers: dict[str, Any]) -> TrainConfig:
-    """The defaults with each mapping of ``layers`` laid over the previous ones, then checked."""
+    """The defaults with each mapping of ``layers`` laid over the previous ones, then checked.
+
+    A layer that names another model than the layers below it brings that model's own shape
+    (:data:`MODEL_SHAPE_KEYS`, :func:`visattn.models.model_shape`): the shape below was chosen for the model
+    below (the defaults' is the digits recipe's small ViT), and ``--model vit_tiny_patch16_224`` means ViT-Ti.
+    Shape keys the same layer (or a later one) gives still win.
+    """
     values: dict[str, Any] = {}
     for layer in layers:
-        values.update(check_keys(layer))
+        layer = check_keys(layer)
+        if "model" in layer and layer["model"] != values.get("model", DEFAULT_MODEL):
+            try:
+                values.update(model_shape(layer["model"]))
+            except ValueError as error:
+                raise ConfigError(f"model: {error}") from None
+        values.update(layer)
     return TrainConfig(**values)
 
 

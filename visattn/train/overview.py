@@ -6,8 +6,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from visattn.train.config import TrainConfig
+from visattn.layers import attention_options, get_attention, list_attentions
+from visattn.layers.cost import TokenLayout
+from visattn.train.config import MAX_DEFAULT_TOKENS, TrainConfig
 from visattn.train.data import DataSplits, ImageCheck, describe_unreadable
+from visattn.train.run_log import significant
+
+# timm's own Attention (attn=timm) is full softmax attention: the softmax layer's cost model is its cost.
+TIMM_COST_MODEL = "softmax"
 
 
 def attention_line(names: list[str], auto: bool) -> str:
@@ -17,6 +23,61 @@ def attention_line(names: list[str], auto: bool) -> str:
     else:
         text = f"attention per block: {', '.join(names)}"
     return text + (" (the choice of attn=auto for this model and image size)" if auto else "")
+
+
+def position_options_line(config: TrainConfig) -> str | None:
+    """'position: linear with rope axial, decay on' for each type in use that takes rope or decay (from its
+    defaults and the resolved attn_kwargs); None where no type in use takes either (floor, attn=timm)."""
+    names = list(dict.fromkeys(config.attn if isinstance(config.attn, list) else [config.attn]))
+    parts = []
+    for name in names:
+        if name not in list_attentions():
+            continue  # timm's own Attention
+        options = get_attention(name).type_options() | (
+            config.attn_kwargs.get(name, {}) if isinstance(config.attn, list) else config.attn_kwargs
+        )
+        said = [f"rope {options['rope'] or 'off'}" if "rope" in options else "",
+                f"decay {'off' if options['decay'] in (None, False) else 'on'}" if "decay" in options else ""]
+        if any(said):
+            parts.append(f"{name} with {', '.join(text for text in said if text)}")
+    return f"position: {'; '.join(parts)}" if parts else None
+
+
+def attention_cost_lines(config: TrainConfig, model: nn.Module) -> list[str]:
+    """The token mixing's forward FLOPs per image, summed over the blocks, from each type's cost model
+    (:meth:`visattn.layers.GridAttention.mixing_flops`) beside full softmax attention's; and a warning when
+    the grid has more tokens than a default patch size would make."""
+    layout = TokenLayout(tuple(model.patch_embed.grid_size), model.num_prefix_tokens)
+    heads = model.blocks[0].attn.num_heads
+    head_dim = model.embed_dim // heads
+
+    def block_flops(name: str, kwargs: dict) -> int:
+        options = attention_options(name, kwargs, layout.grid)
+        return get_attention(name).mixing_flops(layout, heads, head_dim, options)
+
+    total = 0
+    for block in model.blocks:
+        name = getattr(block.attn, "name", TIMM_COST_MODEL)
+        # resolved options (visattn.train.attention): under each type's name for a list of types, else flat
+        total += block_flops(name, config.attn_kwargs.get(name, {}) if isinstance(config.attn, list) else config.attn_kwargs)
+    softmax = len(model.blocks) * block_flops(TIMM_COST_MODEL, {})
+    lines = [
+        f"attention cost: {_flops(total)} per image per forward pass (token mixing of all {len(model.blocks)} blocks; "
+        f"full softmax attention: {_flops(softmax)})"
+    ]
+    if layout.num_patches > MAX_DEFAULT_TOKENS:
+        lines.append(
+            f"warning: {layout.num_patches:,} tokens per image, more than the {MAX_DEFAULT_TOKENS:,} a default patch "
+            "size makes: a larger --patch-size or a smaller --img-size cuts the cost"
+        )
+    return lines
+
+
+def _flops(count: int) -> str:
+    for unit, scale in (("TFLOPs", 1e12), ("GFLOPs", 1e9), ("MFLOPs", 1e6)):
+        if count >= scale:
+            return f"{significant(count / scale)} {unit}"
+    return f"{count:,} FLOPs"
 
 
 def image_check_lines(check: ImageCheck) -> list[str]:
@@ -56,8 +117,10 @@ def run_overview(
         f"{splits.num_classes} classes, resized to {height}x{width}",
         *image_check_lines(image_check),
         f"model: {config.model}, {params:,} parameters, {rows}x{cols} grid of {patch_h}x{patch_w} patches = "
-        f"{rows * cols} tokens" + (f" + {prefix} prefix" if prefix else ""),
+        f"{rows * cols:,} tokens" + (f" + {prefix} prefix" if prefix else ""),
         attention_line(names, auto),
+        *filter(None, [position_options_line(config)]),
+        *attention_cost_lines(config, model),
         f"training: {_count(num_processes, 'process', 'processes')}{threads} x batch {config.batch_size} = "
         f"{global_batch} images per step{update_text}; {_count(config.epochs, 'epoch')} of {_count(batches_per_epoch, 'step')} "
         f"({_count(updates, 'update')} each)",
