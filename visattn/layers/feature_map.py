@@ -50,6 +50,10 @@ class LearnedFeatureMap(nn.Module):
         """q, k: (B, heads, N, d) -> the mapped q, k, (B, heads, N, d)."""
         return torch.matmul(q, self.query), torch.matmul(k, self.key)
 
+    def no_weight_decay(self) -> set[str]:
+        """Weight decay would pull the matrices towards zero, where phi is constant; they start at the identity."""
+        return {"query", "key"}
+
     @staticmethod
     def flops(num_tokens: int, num_heads: int, head_dim: int) -> int:
         """``4 N C d``: q and k of every token through a d x d matrix per head (``2 d^2`` each)."""
