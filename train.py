@@ -4,6 +4,7 @@
     accelerate launch train.py --config configs/cifar10_vit_s.yaml --attn neighborhood --download
     accelerate launch --multi_gpu --num_processes 2 train.py --attn axial
     python train.py --attn axial --resume               # continue runs/digits-axial from its last checkpoint
+    python train.py --config configs/linearize.yaml     # a softmax run's weights, attention transfer, fine-tune
 
 The same command once its run has finished prints where the results are and exits 0; with other settings
 it refuses (--resume, --overwrite or another --run-dir say what to do).
@@ -24,6 +25,7 @@ from typing import Any
 from accelerate.utils import set_seed
 
 import visattn  # noqa: F401  (registers the visattn_vit_* models with timm)
+from visattn.models import AttentionTransfer
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
 from visattn.train.attention import resolve_attention
@@ -40,6 +42,7 @@ from visattn.train.loop import (
     write_run_files,
 )
 from visattn.train.overview import run_overview
+from visattn.train.transfer import TransferStage, build_parent, build_transfer_optimizer, run_transfer
 
 
 def training_function(config: TrainConfig, options: RunOptions, held: contextlib.ExitStack) -> dict[str, Any]:
@@ -63,6 +66,7 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     model_kwargs = config.model_kwargs_for_timm(splits.num_classes)
     train_loader, val_loader, eval_loader = build_loaders(config, splits, accelerator.num_processes)
     optimizer = build_optimizer(config, model)
+    transfer_optimizer = build_transfer_optimizer(config, model) if config.transfer_epochs else None
     if initial is not None:
         for line in load_initial_weights(model, initial):
             accelerator.print(line)
@@ -84,6 +88,8 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
                           "and the last epoch's test accuracy is reported")
     loader_speed = measure_loader(train_loader, options.measure_loader, accelerator.device) if options.measure_loader else None
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if transfer_optimizer is not None:  # prepared second: its state is every checkpoint's optimizer_1.bin
+        transfer_optimizer = accelerator.prepare(transfer_optimizer)
     backend, compile_note = compile_backend(config)
     if backend is not None:
         compile_model(model, backend)
@@ -136,6 +142,13 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     if config.log_with:
         accelerator.init_trackers("visattn", config={key: value if isinstance(value, (int, float, str, bool)) else str(value)
                                                      for key, value in config.to_dict().items()})
+
+    if config.transfer_epochs and run.state["transfer_epoch"] < config.transfer_epochs:
+        # the parent: the initial weights under softmax attention (read again when a resume needs them)
+        parent = build_parent(config, splits.num_classes, initial or read_initial_weights(config), accelerator.device)
+        transfer = AttentionTransfer(parent, accelerator.unwrap_model(model), config.transfer_mode, config.transfer_projections)
+        run_transfer(run, TransferStage(transfer, transfer_optimizer, config.transfer_epochs * len(train_loader)))
+        del parent, transfer
 
     already_finished = run.state["epoch"] >= config.epochs
     for epoch in range(run.state["epoch"], config.epochs):

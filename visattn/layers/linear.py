@@ -11,13 +11,15 @@ import torch.nn as nn
 from visattn.layers.base import GridAttention
 from visattn.layers.cost import MixingMemory
 from visattn.layers.decay import SpatialDecay, check_decay_option
+from visattn.layers.feature_map import (
+    LEARNED_BASE_MAP, LEARNED_FEATURE_MAP, LearnedFeatureMap, check_feature_map_option,
+)
 from visattn.ops.backends import choose_linear_projection_backend, select_backend
 from visattn.ops.layout import image_to_tokens, merge_heads, split_heads, split_prefix, tokens_to_image
 from visattn.ops.linear import (
     decayed_linear_attn,
     decayed_linear_flops,
     fused_qkv_linear_attn,
-    get_feature_map,
     linear_attn,
     packed_linear_attn,
 )
@@ -27,7 +29,11 @@ class LinearAttention(GridAttention):
     """``phi(Q) (phi(K)^T V) / (phi(Q) phi(K)^T 1)`` over all tokens; O(N d^2) per head.
 
     Type options:
-        feature_map: ``"elu"`` (elu + 1, default) or ``"relu"``.
+        feature_map: ``"elu"`` (elu + 1, default), ``"relu"``, or ``"learned"``: elu + 1 after a learnable
+            d x d matrix per head for q and one for k, initialised to the identity (so untrained it computes
+            exactly ``"elu"``), which attention transfer (:func:`visattn.models.linearize`) trains to mimic
+            softmax's spiky weights (Hedgehog, LoLCATs; :class:`visattn.layers.feature_map.LearnedFeatureMap`).
+            The layer applies the matrices to the split heads, so it always runs the ``"split"`` projection path.
         chunk_size: chunk length of the causal form (``is_causal=True``, raster order).
         dwconv_kernel: odd k: add a depthwise k x k convolution of V over the patch grid to the output
             (the locality term of FLatten Transformer and MLLA); None: pure linear attention, which then
@@ -60,7 +66,7 @@ class LinearAttention(GridAttention):
         **contract: Any,
     ) -> None:
         super().__init__(dim, num_heads, **contract)
-        get_feature_map(feature_map)  # fail early on a bad name
+        check_feature_map_option(feature_map, self.name)
         decay_init = check_decay_option(decay, self.name)
         if dwconv_kernel is not None and (not isinstance(dwconv_kernel, int) or dwconv_kernel < 1 or dwconv_kernel % 2 == 0):
             raise ValueError(f"linear: dwconv_kernel must be None or an odd integer >= 1, got {dwconv_kernel!r}")
@@ -71,6 +77,10 @@ class LinearAttention(GridAttention):
             nn.Conv2d(dim, dim, dwconv_kernel, padding=dwconv_kernel // 2, groups=dim, **dd) if dwconv_kernel else None
         )
         self.spatial_decay = None if decay_init is None else SpatialDecay(num_heads, decay_init, **dd)
+        learned = feature_map == LEARNED_FEATURE_MAP
+        self.learned_map = LearnedFeatureMap(num_heads, self.head_dim, **dd) if learned else None
+        # the parameter-free map the op applies (after the learned projection, if any)
+        self.op_feature_map = LEARNED_BASE_MAP if learned else feature_map
 
     @property
     def needs_grid(self) -> bool:  # type: ignore[override]
@@ -83,27 +93,34 @@ class LinearAttention(GridAttention):
         only), so the (B, N, 3 C) projection is never formed; ``"packed"`` runs on the projection itself
         (:func:`visattn.ops.linear.packed_linear_attn`, no q/k norm), whose gradient then comes back in
         one piece; ``"split"`` splits the heads and calls :meth:`mix`. With ``decay`` the layer always
-        splits: the other paths compute attention without it."""
+        splits: the other paths compute attention without it; so does a learned feature map, which the
+        layer applies to the split heads."""
         if self.spatial_decay is not None:
             return super().project_and_mix(x, grid, attn_mask, is_causal)
         has_qk_norm = not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity))
         rotated = self.rope is not None
+        learned = self.learned_map is not None
         name = select_backend(
-            "linear_projection", None, lambda: choose_linear_projection_backend(x, is_causal, has_qk_norm, rotated)
+            "linear_projection", None,
+            lambda: choose_linear_projection_backend(x, is_causal, has_qk_norm, rotated, learned_map=learned),
         )
         if name != "split" and is_causal:
             raise ValueError(f"linear: the {name!r} projection path is non-causal; is_causal=True needs 'split'")
         if name != "split" and rotated:
             raise ValueError(f"linear: the {name!r} projection path does not rotate; rope needs 'split'")
+        if name != "split" and learned:
+            raise ValueError(
+                f"linear: the {name!r} projection path has no learned feature map; feature_map='learned' needs 'split'"
+            )
         if name == "fused_qkv":
             out, values = fused_qkv_linear_attn(
-                x, self.qkv.weight, self.qkv.bias, self.num_heads, self.feature_map,
+                x, self.qkv.weight, self.qkv.bias, self.num_heads, self.op_feature_map,
                 q_norm=self.q_norm, k_norm=self.k_norm, keep_values=True,
             )
         elif name == "packed":
             if has_qk_norm:
                 raise ValueError("linear: the 'packed' projection path has no q/k norm; use 'split' or 'fused_qkv'")
-            out, values = packed_linear_attn(self.qkv(x), self.num_heads, self.feature_map)
+            out, values = packed_linear_attn(self.qkv(x), self.num_heads, self.op_feature_map)
         else:
             return super().project_and_mix(x, grid, attn_mask, is_causal)
         return self._add_locality(out, values, grid)
@@ -114,13 +131,15 @@ class LinearAttention(GridAttention):
         if is_causal and self.spatial_decay is not None:
             raise ValueError("linear: is_causal=True cannot be combined with decay (it weighs keys on both sides of the query)")
         rope = None if self.rope is None else self.rope(grid, self.num_prefix_tokens, q)
+        if self.learned_map is not None:
+            q, k = self.learned_map(q, k)  # (B, heads, N, d)
         if self.spatial_decay is not None:
             out = decayed_linear_attn(
-                q, k, v, self.spatial_decay(), grid, self.num_prefix_tokens, feature_map=self.feature_map, rope=rope
+                q, k, v, self.spatial_decay(), grid, self.num_prefix_tokens, feature_map=self.op_feature_map, rope=rope
             )
         else:
             out = linear_attn(
-                q, k, v, feature_map=self.feature_map, causal=is_causal, chunk_size=self.chunk_size, rope=rope
+                q, k, v, feature_map=self.op_feature_map, causal=is_causal, chunk_size=self.chunk_size, rope=rope
             )
         if self.dwconv is None:
             return out
@@ -155,7 +174,8 @@ class LinearAttention(GridAttention):
         with ``rope``, ``2 N C (2 d + 1)``: (R phi(K))^T V and (R phi(Q)) S are ``2 N d^2`` each, the
         normalizer phi(Q) z ``2 N d``;
         with ``decay``, instead, the products of :func:`visattn.ops.linear.decayed_linear_flops` per head;
-        plus ``2 M C k^2`` for the depthwise k x k convolution over the M patches (``dwconv_kernel``)."""
+        plus ``2 M C k^2`` for the depthwise k x k convolution over the M patches (``dwconv_kernel``);
+        plus ``4 N C d`` for a learned feature map (q and k through a d x d matrix per head)."""
         n, c = layout.num_tokens, num_heads * head_dim
         if check_decay_option(options.get("decay"), cls.name) is None:
             rotated = options.get("rope") is not None
@@ -166,6 +186,8 @@ class LinearAttention(GridAttention):
         kernel = options["dwconv_kernel"]
         if kernel:
             flops += 2 * layout.num_patches * c * kernel**2
+        if options["feature_map"] == LEARNED_FEATURE_MAP:
+            flops += LearnedFeatureMap.flops(n, num_heads, head_dim)
         return flops
 
     @classmethod
@@ -176,7 +198,10 @@ class LinearAttention(GridAttention):
         With ``decay``, fp32 copies of N x (C + heads) values: the forward holds about eight (the feature
         maps, [V, 1], their grid copies, the numerators and normalizers, the output) and the column states
         of the heads (six tensors of W d (d + 1) values per head, at most); the backward keeps about six
-        (the feature maps' inputs, their grid copies, the numerators and normalizers)."""
+        (the feature maps' inputs, their grid copies, the numerators and normalizers).
+
+        A learned feature map adds the mapped q and k, two N x C tensors, live in the forward and kept
+        for the backward (the matrices' gradient needs q and k, the op's the mapped ones)."""
         n, c = layout.num_tokens, num_heads * head_dim
         infer, train = n * c * act_bytes, 3 * n * c * act_bytes
         if check_decay_option(options.get("decay"), cls.name) is not None:
@@ -186,4 +211,7 @@ class LinearAttention(GridAttention):
         if options["dwconv_kernel"]:
             infer += 3 * layout.num_patches * c * act_bytes
             train += 2 * layout.num_patches * c * act_bytes
+        if options["feature_map"] == LEARNED_FEATURE_MAP:
+            infer += 2 * n * c * act_bytes
+            train += 2 * n * c * act_bytes
         return MixingMemory(infer=infer, train=train)

@@ -1,17 +1,22 @@
-"""timm integration: the registered visattn ViTs, :func:`convert` for existing timm ViTs, and ``attn="auto"``."""
+"""timm integration: the registered visattn ViTs, :func:`convert` for existing timm ViTs, ``attn="auto"``, and
+:func:`linearize` (attention transfer from a trained softmax ViT)."""
 from visattn.models.auto import select_attention
 from visattn.models.convert import TIMM_ATTENTION, PatchGridHook, convert
 from visattn.models.create import LoadReport, create_model, load_weights, model_shape
+from visattn.models.linearize import AttentionTransfer, TransferResult, linearize
 from visattn.models.shapes import MODEL_SHAPES
 from visattn.models.vit import visattn_vit_base_patch16, visattn_vit_small_patch16, visattn_vit_tiny_patch16
 
 __all__ = [
+    "AttentionTransfer",
     "LoadReport",
     "MODEL_SHAPES",
     "PatchGridHook",
     "TIMM_ATTENTION",
+    "TransferResult",
     "convert",
     "create_model",
+    "linearize",
     "load_weights",
     "model_shape",
     "select_attention",

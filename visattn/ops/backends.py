@@ -120,13 +120,16 @@ def choose_decayed_linear_backend(single_tile: bool) -> str:
     return "autograd" if single_tile or torch.compiler.is_compiling() else "rerun"
 
 
-def choose_linear_projection_backend(t: torch.Tensor, causal: bool, has_qk_norm: bool, rotated: bool = False) -> str:
-    """Causal, compiled, off the CPU (the fused and packed paths walk the CPU's cache-sized blocks) or
-    ``rotated`` (rope, which the op applies from a table of the split heads): split the projection and
+def choose_linear_projection_backend(
+    t: torch.Tensor, causal: bool, has_qk_norm: bool, rotated: bool = False, learned_map: bool = False
+) -> str:
+    """Causal, compiled, off the CPU (the fused and packed paths walk the CPU's cache-sized blocks),
+    ``rotated`` (rope, which the op applies from a table of the split heads) or ``learned_map`` (a learned
+    feature map, a per-head matrix the layer applies to the split q and k): split the projection and
     call the op. Without autograd, fuse the projection with the mixing. With autograd and no q/k norm,
     run on the packed projection (its gradient comes back in one piece); a q/k norm sits between
     projection and mixing, so then split."""
-    if causal or rotated or not _eager_on_cpu(t):
+    if causal or rotated or learned_map or not _eager_on_cpu(t):
         return "split"
     if not torch.is_grad_enabled():
         return "fused_qkv"

@@ -99,12 +99,13 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, trainer_state: dict
     """accelerate ``save_state`` plus ``trainer_state`` (JSON, with every file's checksum), written
     crash-safe and verified; then keeps the newest ``keep`` verified checkpoints.
 
-    Call on every process. ``trainer_state["update"]`` (optimizer updates so far) names the checkpoint.
+    Call on every process. The optimizer updates so far, the attention transfer's (``transfer_update``) and
+    the fine-tune's (``update``), name the checkpoint.
     A disk that refuses the write (full, read-only) raises RunDirError; the checkpoints already there
     stay as they were.
     """
     root = run_dir / CHECKPOINTS
-    final = root / f"step_{trainer_state['update']:08d}"
+    final = root / f"step_{trainer_state['update'] + trainer_state.get('transfer_update', 0):08d}"
     tmp = root / f".tmp-{final.name}"
     try:
         if accelerator.is_main_process:

@@ -23,6 +23,7 @@ from timm.optim import list_optimizers
 from visattn.layers import list_attentions
 from visattn.layers.options import load_yaml
 from visattn.models import TIMM_ATTENTION, model_shape
+from visattn.models.linearize import TRANSFER_MODES
 from visattn.train.augment import check_auto_augment
 from visattn.train.datasets import DATASET_SPECS
 from visattn.train.fieldtypes import matches, type_name
@@ -120,6 +121,24 @@ class TrainConfig:
     initial_checkpoint: str | None = field(
         default=None,
         metadata=_help("start from these weights: a .safetensors or .pth state dict, or a visattn run directory (its best weights)"),
+    )
+    transfer_epochs: int = field(
+        default=0,
+        metadata=_help("attention transfer epochs before the fine-tune epochs: each converted attention layer learns to "
+                       "reproduce the softmax attention of the initial_checkpoint (or pretrained) weights on the "
+                       "training images (MSE of its output on its parent's input), everything else frozen (LoLCATs); "
+                       "per-block losses in transfer_metrics.jsonl; 0: off"),
+    )
+    transfer_lr: float = field(default=1e-3, metadata=_help("AdamW learning rate of attention transfer (constant, no weight decay)"))
+    transfer_mode: str = field(
+        default="joint",
+        metadata=_help(f"{' or '.join(TRANSFER_MODES)}: every layer in every transfer step, or one layer at a time, each "
+                       "for an equal share of the steps (less memory, fewer steps per layer)"),
+    )
+    transfer_projections: bool = field(
+        default=False,
+        metadata=_help("attention transfer trains the attention's qkv, proj and norms too, not only the parameters the "
+                       "type adds (feature_map=learned, dwconv_kernel, decay)"),
     )
     # optimisation
     epochs: int = field(default=26, metadata=_help("training epochs"))
@@ -272,13 +291,21 @@ def check_values(config: TrainConfig) -> None:
     for key in ("epochs", "batch_size", "grad_accum_steps", "patch_size", "embed_dim", "depth", "num_heads",
                 "keep_checkpoints"):
         _at_least(key, getattr(config, key), 1)
-    for key in ("num_workers", "save_every", "warmup_epochs", "weight_decay", "warmup_lr", "min_lr"):
+    for key in ("transfer_epochs", "num_workers", "save_every", "warmup_epochs", "weight_decay", "warmup_lr", "min_lr"):
         _at_least(key, getattr(config, key), 0)
     for key in ("max_train_samples", "max_eval_samples"):
         if getattr(config, key) is not None:
             _at_least(key, getattr(config, key), 1)
-    if not config.lr > 0:
-        raise ConfigError(f"lr: must be > 0, got {config.lr}")
+    for key in ("lr", "transfer_lr"):
+        if not getattr(config, key) > 0:
+            raise ConfigError(f"{key}: must be > 0, got {getattr(config, key)}")
+    _choice("transfer_mode", config.transfer_mode, TRANSFER_MODES)
+    if config.transfer_epochs and config.initial_checkpoint is None and not config.pretrained:
+        raise ConfigError(
+            "transfer_epochs: attention transfer learns from trained softmax weights; give --initial-checkpoint or --pretrained"
+        )
+    if config.transfer_epochs and config.attn == TIMM_ATTENTION:
+        raise ConfigError(f"transfer_epochs: attn {TIMM_ATTENTION!r} keeps timm's Attention; give the type to transfer to")
     if config.clip_grad is not None and not config.clip_grad > 0:
         raise ConfigError(f"clip_grad: must be > 0 or none, got {config.clip_grad}")
     for key in ("drop_path_rate", "label_smoothing"):

@@ -67,10 +67,14 @@ def check_checkpoint_model(accelerator: Accelerator, model: nn.Module, run_dir: 
 
 def new_trainer_state(num_processes: int) -> dict[str, Any]:
     """Where the run stands; JSON in every checkpoint. ``batch``: batches of ``epoch`` already trained;
-    ``skipped_updates``: updates left out under ``--skip-nonfinite``."""
+    ``skipped_updates``: updates left out under ``--skip-nonfinite``; the ``transfer_*`` entries: the same for
+    the attention-transfer stage (:mod:`visattn.train.transfer`), whose updates are not counted in ``update``
+    (the fine-tune's learning-rate schedule starts after them)."""
     return dict(
         epoch=0, batch=0, update=0, num_processes=num_processes, best_acc=None, best_epoch=None, history=[],
         partial_loss_sum=0.0, partial_samples=0, partial_train_time=0.0, skipped_updates=0,
+        transfer_epoch=0, transfer_batch=0, transfer_update=0, transfer_history=[], transfer_partial_sums=[],
+        transfer_partial_counts=[], transfer_partial_time=0.0,
     )
 
 
@@ -332,6 +336,8 @@ def finish_run(run: Training, already_finished: bool, seconds: float) -> dict[st
         summary = summarize(run, test_best_weights(run), seconds)
         if "initial_eval_acc" in run.state:
             summary["initial_acc"] = run.state["initial_eval_acc"]
+        if "transfer_eval_acc" in run.state:
+            summary["transfer_acc"] = run.state["transfer_eval_acc"]
         if accelerator.is_main_process:  # the summary last: a resume takes a run that has one as finished
             run_log.plot_metrics(run_dir, run.state["history"])
             run_log.write_summary(run_dir, summary)

@@ -14,6 +14,7 @@ import torch
 from visattn.train.rundir import RunDirError, os_error_reason, unlink_quietly, write_atomically
 
 METRICS_FILE = "metrics.jsonl"
+TRANSFER_METRICS_FILE = "transfer_metrics.jsonl"
 PLOT_FILE = "metrics.png"
 SUMMARY_FILE = "summary.json"
 
@@ -45,6 +46,11 @@ def peak_memory_mib(device: torch.device) -> tuple[float, str]:
 def write_metrics(run_dir: Path, history: list[dict[str, Any]]) -> None:
     """Rewrite ``metrics.jsonl`` from the epoch records (a resumed run drops records it will redo)."""
     write_atomically(run_dir / METRICS_FILE, "".join(json.dumps(record) + "\n" for record in history))
+
+
+def write_transfer_metrics(run_dir: Path, history: list[dict[str, Any]]) -> None:
+    """Rewrite ``transfer_metrics.jsonl`` from the attention-transfer epoch records."""
+    write_atomically(run_dir / TRANSFER_METRICS_FILE, "".join(json.dumps(record) + "\n" for record in history))
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:

@@ -6,9 +6,10 @@ A run directory holds (:mod:`visattn.predict` loads the trained model back from 
     config.yaml               the effective TrainConfig
     model.json                timm.create_model name and keywords, data config and class names of the model
     run.lock                  PID and host of the run writing here (empty once it has ended)
-    checkpoints/step_<N>/     accelerate save_state after N optimizer updates + trainer_state.json
-                              (:mod:`visattn.train.checkpoint`)
+    checkpoints/step_<N>/     accelerate save_state after N optimizer updates (attention transfer's included)
+                              + trainer_state.json (:mod:`visattn.train.checkpoint`)
     metrics.jsonl, metrics.png, summary.json
+    transfer_metrics.jsonl    per-block losses of each attention-transfer epoch (--transfer-epochs)
     model_best.safetensors, model_last.safetensors
 """
 from __future__ import annotations

@@ -1,0 +1,115 @@
+"""train.py --transfer-epochs: attention transfer from a softmax run's weights, then the fine-tune; its
+per-block metrics; a resume from a checkpoint taken mid-transfer that ends where the uninterrupted run ends;
+visattn.predict on the result; and the configurations it refuses, each in one line."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import train  # the script at the repository root, importable from there as pytest runs the tests
+from tests.helpers import TINY
+from visattn.predict import load_predictor, predict
+from visattn.train.config import ConfigError, make_config
+
+# 6 transfer updates and 6 fine-tune updates; a checkpoint every 2 updates, every one kept.
+TRANSFER = [
+    *TINY, "--attn", "linear", "--attn-kwargs", "feature_map=learned", "--transfer-epochs", "1", "--transfer-lr", "1e-2",
+    "--save-every", "2", "--keep-checkpoints", "20",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(a tiny softmax run, the run transferred and fine-tuned from its weights)."""
+    folder = tmp_path_factory.mktemp("transfer")
+    parent = folder / "softmax"
+    assert train.main([*TINY, "--attn", "softmax", "--run-dir", str(parent)]) == 0
+    transferred = folder / "linear"
+    assert train.main([*TRANSFER, "--initial-checkpoint", str(parent), "--run-dir", str(transferred)]) == 0
+    return parent, transferred
+
+
+def test_transfer_then_fine_tune_writes_per_block_losses(runs):
+    parent, run_dir = runs
+    (record,) = [json.loads(line) for line in (run_dir / "transfer_metrics.jsonl").read_text().splitlines()]
+    assert record["transfer_epoch"] == 1 and record["transfer_update"] == 6 and record["mode"] == "joint"
+    for block in range(2):
+        assert 0 < record[f"transfer_loss_block{block}"] < 1
+        assert 0 < record[f"val_transfer_loss_block{block}"] < 1
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1  # the fine-tune epoch alone
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0 <= summary["transfer_acc"] <= 1 and 0 <= summary["initial_acc"] <= 1
+    # 6 transfer + 6 fine-tune updates, named by their sum
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == [
+        f"step_{n:08d}" for n in (2, 4, 6, 8, 10, 12)
+    ]
+    # the transfer trained the learned maps; the fine-tune everything; softmax weights went in
+    weights, source = load_file(str(run_dir / "model_last.safetensors")), load_file(str(parent / "model_best.safetensors"))
+    identity = torch.eye(8).expand(2, 8, 8)
+    assert not torch.equal(weights["blocks.0.attn.learned_map.query"], identity)
+    assert set(weights) - set(source) == {f"blocks.{i}.attn.{name}" for i in range(2) for name in
+                                          ("learned_map.query", "learned_map.key", "dwconv.weight", "dwconv.bias")}
+
+
+def test_resume_from_mid_transfer_ends_where_the_whole_run_ends(runs, tmp_path):
+    parent, whole = runs
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    for path in (resumed / "checkpoints").iterdir():
+        if path.name != "step_00000004":  # taken after 4 of the 6 transfer updates
+            shutil.rmtree(path)
+    for name in ("model_best.safetensors", "model_last.safetensors", "summary.json", "transfer_metrics.jsonl"):
+        (resumed / name).unlink()
+    state = json.loads((resumed / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    assert (state["transfer_epoch"], state["transfer_batch"], state["transfer_update"], state["update"]) == (0, 4, 4, 0)
+    assert train.main(["--run-dir", str(resumed), "--resume"]) == 0
+    final, expected = load_file(str(resumed / "model_last.safetensors")), load_file(str(whole / "model_last.safetensors"))
+    assert final.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(final[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    (resumed_record,) = [json.loads(line) for line in (resumed / "transfer_metrics.jsonl").read_text().splitlines()]
+    (whole_record,) = [json.loads(line) for line in (whole / "transfer_metrics.jsonl").read_text().splitlines()]
+    for block in range(2):
+        for key in (f"transfer_loss_block{block}", f"val_transfer_loss_block{block}"):
+            assert resumed_record[key] == pytest.approx(whole_record[key], rel=1e-5)
+
+
+def test_predict_loads_the_transferred_run(runs, tmp_path):
+    _, run_dir = runs
+    predictor = load_predictor(run_dir, "last", device="cpu")
+    assert [block.attn.feature_map for block in predictor.model.blocks] == ["learned", "learned"]
+    image = tmp_path / "digit.png"
+    Image.fromarray((np.random.default_rng(0).random((16, 16)) * 255).astype(np.uint8)).save(image)
+    (result,) = predict(predictor, [image], top_k=3)
+    assert result.error is None and len(result.top_k) == 3
+    assert 0 < sum(probability for _, probability in result.top_k) <= 1 + 1e-6
+
+
+def test_a_type_with_nothing_to_learn_stops_before_the_run_starts(runs, tmp_path, capsys):
+    parent, _ = runs
+    run_dir = tmp_path / "elu"
+    args = [*TINY, "--attn", "linear", "--attn-kwargs", "dwconv_kernel=null", "--transfer-epochs", "1",
+            "--initial-checkpoint", str(parent), "--run-dir", str(run_dir)]
+    assert train.main(args) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: transfer_epochs: attention transfer: 'linear' add(s) no parameters") and "nothing to learn" in line
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(transfer_epochs=1), "transfer_epochs: attention transfer learns from trained softmax weights"),
+    (dict(transfer_epochs=1, initial_checkpoint="x", attn="timm"), "transfer_epochs: attn 'timm' keeps timm's Attention"),
+    (dict(transfer_mode="blockwise"), "transfer_mode: 'blockwise' is not one of joint, layerwise"),
+    (dict(transfer_lr=0.0), "transfer_lr: must be > 0, got 0.0"),
+    (dict(transfer_epochs=-1), "transfer_epochs: must be >= 0, got -1"),
+])
+def test_transfer_settings_are_checked(values, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        make_config(values)

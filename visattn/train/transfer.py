@@ -1,0 +1,187 @@
+"""The attention-transfer stage of a run (``--transfer-epochs``), before the fine-tune epochs.
+
+The run's model is the converted one, loaded with the initial weights; its parent is the same model with
+softmax attention, loaded with the same weights (:func:`build_parent`). Each transfer step trains the
+converted attention layers to reproduce the parent's attention outputs on the step's training images
+(:class:`visattn.models.AttentionTransfer`), with an optimizer of its own over those layers' parameters
+(AdamW, constant learning rate, no weight decay), prepared by accelerate like the fine-tune's so that both
+are in every checkpoint. The stage checkpoints as the epochs do (every ``save_every`` transfer updates and
+at the end of each transfer epoch), and ``--resume`` picks it up where it stopped. Each transfer epoch
+writes a record to ``transfer_metrics.jsonl``: the mean training MSE of every block
+(``transfer_loss_block<i>``) and its MSE on the selection split (``val_transfer_loss_block<i>``, or
+``test_`` for a dataset without validation).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from visattn.models import AttentionTransfer, create_model
+from visattn.models.linearize import check_something_to_learn, trainable_attention_parameters
+from visattn.train import checkpoint as ckpt
+from visattn.train import run_log
+from visattn.train.config import ConfigError, TrainConfig
+from visattn.train.initial import InitialWeights, load_initial_weights
+from visattn.train.loop import POSTFIX_SECONDS, NonFiniteError, Training, evaluate
+
+# The attention the parent runs: what timm's Attention computes, with visattn's grid hook.
+PARENT_ATTENTION = "softmax"
+
+
+def build_transfer_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over the parameters attention transfer trains; ConfigError (one line) when there are none."""
+    try:
+        check_something_to_learn(model, config.transfer_projections)
+    except ValueError as error:
+        raise ConfigError(f"transfer_epochs: {error}") from None
+    params = [param for block in trainable_attention_parameters(model, config.transfer_projections) for param in block]
+    return torch.optim.AdamW(params, lr=config.transfer_lr, weight_decay=0.0)
+
+
+def build_parent(config: TrainConfig, num_classes: int, initial: InitialWeights, device: torch.device) -> nn.Module:
+    """The run's model with softmax attention and the initial weights, frozen, in eval mode, on ``device``."""
+    kwargs = config.model_kwargs_for_timm(num_classes) | {"attn": PARENT_ATTENTION, "attn_kwargs": {}}
+    kwargs.pop("auto_batch_size", None)
+    parent = create_model(config.model, **kwargs)
+    load_initial_weights(parent, initial)
+    return parent.to(device).eval().requires_grad_(False)
+
+
+@dataclass
+class TransferStage:
+    """The transfer's pieces: the losses, the prepared optimizer, and the stage's length in updates."""
+
+    transfer: AttentionTransfer
+    optimizer: torch.optim.Optimizer
+    total_steps: int
+
+
+def run_transfer(run: Training, stage: TransferStage) -> None:
+    """The remaining transfer epochs, then the accuracy of the transferred model on the selection split
+    (``transfer_eval_acc`` in the trainer state, ``transfer_acc`` in the summary)."""
+    for epoch in range(run.state["transfer_epoch"], run.config.transfer_epochs):
+        train_seconds = transfer_epoch(run, stage, epoch)
+        finish_transfer_epoch(run, stage, epoch, train_seconds)
+    scores = evaluate(run.accelerator, run.model, run.selection_loader)
+    run.state["transfer_eval_acc"] = scores["acc"]
+    run.accelerator.print(
+        f"after attention transfer: {run.selection_split} loss {scores['loss']:.4f}, "
+        f"{run.selection_split} acc {100 * scores['acc']:.2f}%"
+    )
+
+
+def transfer_epoch(run: Training, stage: TransferStage, epoch: int) -> float:
+    """Train transfer epoch ``epoch`` (its remaining batches, when resumed mid-epoch). Returns its seconds."""
+    accelerator, config, state, loader = run.accelerator, run.config, run.state, run.train_loader
+    depth = stage.transfer.depth
+    loader.set_epoch(epoch)
+    loader.dataset.set_epoch(epoch)
+    skip = state["transfer_batch"]
+    batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+    # per block: the loss sum and steps so far; a mid-epoch checkpoint carries the sums over all processes,
+    # restored on the main process
+    sums = torch.zeros(depth, dtype=torch.float64, device=accelerator.device)
+    counts = torch.zeros(depth, dtype=torch.int64, device=accelerator.device)
+    if accelerator.is_main_process and state["transfer_partial_sums"]:
+        sums += torch.tensor(state["transfer_partial_sums"], dtype=torch.float64, device=accelerator.device)
+        counts += torch.tensor(state["transfer_partial_counts"], dtype=torch.int64, device=accelerator.device)
+    train_time = state["transfer_partial_time"]
+    params = stage.transfer.parameters()
+    run.model.train()
+    progress = tqdm(total=len(loader), initial=skip, desc=f"transfer {epoch + 1}/{config.transfer_epochs}",
+                    disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+    tick = shown = time.perf_counter()
+    shown -= POSTFIX_SECONDS
+    for batch_index, (images, _) in enumerate(batches, start=skip):
+        blocks = stage.transfer.blocks_at(state["transfer_update"], stage.total_steps)
+        with accelerator.autocast():
+            losses = stage.transfer.losses(images, blocks)  # (len(blocks),)
+        accelerator.backward(losses.sum())
+        if accelerator.num_processes > 1:  # the layers run outside the model's DDP wrapper: average by hand
+            for param in params:
+                if param.grad is not None:
+                    param.grad = accelerator.reduce(param.grad, reduction="mean")
+        stage.optimizer.step()
+        stage.optimizer.zero_grad(set_to_none=True)
+        sums[blocks] += losses.detach().double()
+        counts[blocks] += 1
+        state["transfer_update"] += 1
+        progress.update(1)
+        last_batch = batch_index + 1 == len(loader)
+        if time.perf_counter() - shown >= POSTFIX_SECONDS or last_batch:
+            _check_finite(run, sums, progress)
+            progress.set_postfix(mse=f"{losses.detach().mean().item():.3g}", blocks=",".join(map(str, blocks)))
+            shown = time.perf_counter()
+        if config.save_every and state["transfer_update"] % config.save_every == 0 and not last_batch:
+            train_time += time.perf_counter() - tick
+            _check_finite(run, sums, progress)
+            state.update(transfer_batch=batch_index + 1, transfer_partial_time=train_time,
+                         transfer_partial_sums=accelerator.reduce(sums, reduction="sum").tolist(),
+                         transfer_partial_counts=accelerator.reduce(counts, reduction="sum").tolist())
+            ckpt.save_checkpoint(accelerator, run.run_dir, state, config.keep_checkpoints)
+            tick = time.perf_counter()
+    progress.close()
+    train_time += time.perf_counter() - tick
+    sums, counts = accelerator.reduce(sums, reduction="sum"), accelerator.reduce(counts, reduction="sum")
+    state.update(transfer_partial_sums=sums.tolist(), transfer_partial_counts=counts.tolist())
+    return train_time
+
+
+def finish_transfer_epoch(run: Training, stage: TransferStage, epoch: int, train_time: float) -> None:
+    """Per-block MSE on the selection split; the epoch's record, printed and written; a checkpoint."""
+    accelerator, state, split = run.accelerator, run.state, run.selection_split
+    eval_started = time.perf_counter()
+    held_out = held_out_losses(run, stage.transfer, run.selection_loader)
+    eval_time = time.perf_counter() - eval_started
+    train = [total / count if count else float("nan")
+             for total, count in zip(state["transfer_partial_sums"], state["transfer_partial_counts"])]
+    record: dict[str, Any] = dict(transfer_epoch=epoch + 1, transfer_update=state["transfer_update"],
+                                  mode=stage.transfer.mode, lr=stage.optimizer.param_groups[0]["lr"])
+    record |= {f"transfer_loss_block{index}": value for index, value in enumerate(train)}
+    record |= {f"{split}_transfer_loss_block{index}": value for index, value in enumerate(held_out)}
+    record |= dict(train_time_s=train_time, eval_time_s=eval_time)
+    state["transfer_history"].append(record)
+    accelerator.print(
+        f"transfer epoch {epoch + 1}: attention output MSE per block, train "
+        f"{' '.join(f'{value:.3g}' for value in train)}, {split} {' '.join(f'{value:.3g}' for value in held_out)}; "
+        f"{train_time:.1f} s training + {eval_time:.1f} s {split}"
+    )
+    state.update(transfer_epoch=epoch + 1, transfer_batch=0, transfer_partial_sums=[], transfer_partial_counts=[],
+                 transfer_partial_time=0.0)
+    ckpt.save_checkpoint(accelerator, run.run_dir, state, run.config.keep_checkpoints)
+    if accelerator.is_main_process:
+        run_log.write_transfer_metrics(run.run_dir, state["transfer_history"])
+
+
+@torch.no_grad()
+def held_out_losses(run: Training, transfer: AttentionTransfer, loader: DataLoader) -> list[float]:
+    """Every block's mean attention-output MSE over ``loader``'s split (NaN for a block with nothing to
+    train), the model in eval mode; summed over the processes."""
+    accelerator = run.accelerator
+    run.model.eval()
+    sums = torch.zeros(len(transfer.trained_blocks), dtype=torch.float64, device=accelerator.device)
+    count = torch.zeros((), dtype=torch.int64, device=accelerator.device)
+    for images, _ in loader:
+        with accelerator.autocast():
+            sums += transfer.losses(images).double() * len(images)
+        count += len(images)
+    sums, count = accelerator.reduce(sums, reduction="sum"), accelerator.reduce(count, reduction="sum").item()
+    means = [float("nan")] * transfer.depth
+    for index, total in zip(transfer.trained_blocks, sums.tolist()):
+        means[index] = total / max(count, 1)
+    return means
+
+
+def _check_finite(run: Training, sums: torch.Tensor, progress: tqdm) -> None:
+    if not torch.isfinite(sums).all():
+        progress.close()
+        raise NonFiniteError(
+            f"attention transfer update {run.state['transfer_update']} (transfer epoch {run.state['transfer_epoch'] + 1}): "
+            "the loss is not finite; nothing of it was saved. Lower --transfer-lr"
+        )
