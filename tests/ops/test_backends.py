@@ -210,7 +210,7 @@ def test_force_backend_and_the_argument(debug_log):
 
 def test_bad_backends_raise():
     q, k, v = _qkv(1, 2, (3, 4), 0, 8)
-    with pytest.raises(ValueError, match="backend must be one of blocked, plain, chunk, got 'fast'"):
+    with pytest.raises(ValueError, match="backend must be one of blocked, plain, plain_checkpoint, chunk, got 'fast'"):
         ops.linear_attn(q, k, v, backend="fast")
     with pytest.raises(ValueError, match="op must be one of"):
         with force_backend("softmax", "sdpa"):
