@@ -128,7 +128,7 @@ STARTS = {
     "python scripts/digits_images.py /tmp/digits_png": "{python} scripts/digits_images.py {images}",
     "accelerate launch train.py --config configs/imagefolder.yaml --data-dir /tmp/digits_png --img-size 512":
         "{accelerate} launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no train.py "
-        "--config configs/imagefolder.yaml --data-dir {images} --img-size 64 --model-kwargs depth=1 --mixed-precision no "
+        "--config configs/imagefolder.yaml --data-dir {images} --img-size 64 --depth 1 --mixed-precision no "
         f"{SHORT_TRAINING} --run-dir {{tmp}}/imagefolder",
     "python train.py --model vit_small_patch16_224 --pretrained --attn linear --img-size 448 "
     "--patch-size 16 --embed-dim 384 --depth 12 --num-heads 6 --mlp-ratio 4 --class-token --global-pool token "
