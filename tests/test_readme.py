@@ -183,7 +183,7 @@ def test_quick_start_command_starts(command, trained):
     result = _run(started)
     refusal = next((line for prefix, line in ACCEPTED_REFUSALS.items() if command.startswith(prefix)), None)
     if result.returncode != 0 and refusal and refusal in result.stderr:
-        assert len(result.stderr.strip().splitlines()) <= 3, result.stderr[-3000:]  # a short refusal, no traceback
+        assert refusal in result.stderr.strip().splitlines()[-1], result.stderr[-3000:]  # one line, no traceback
         return
     assert result.returncode == 0, f"{started}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
 
