@@ -3,11 +3,16 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test test-fast bench device-check
+.PHONY: train test test-fast bench device-check docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+# The documentation site's tools, on top of the package's environment.
+$(VENV)/.installed-docs: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test,docs]'
 	touch $@
 
 # Again: a finished run prints where its results are; an interrupted one resumes from its last checkpoint.
@@ -32,3 +37,7 @@ bench: $(VENV)/.installed
 DEVICE_CHECK_OUT ?= device_check_out
 device-check:
 	OUT=$(DEVICE_CHECK_OUT) PYTHON=$(PYTHON) bash scripts/device_check.sh
+
+# The documentation site into site/, warnings as errors (the configuration page is generated from TrainConfig).
+docs: $(VENV)/.installed-docs
+	$(VENV)/bin/mkdocs build --strict
