@@ -29,6 +29,8 @@ from visattn.predict.run_dir import WEIGHTS
 from visattn.predict.tiling import Tiling
 from visattn.tiled import MERGES
 
+DEFAULT_OVERLAP = "0"
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -53,16 +55,14 @@ def tiling_from_args(args: argparse.Namespace) -> Tiling | None:
     """The :class:`Tiling` of ``--tile``, ``--tile-overlap`` and ``--tile-merge``, or None without ``--tile``;
     ValueError for a malformed value or an overlap or merge without a tile."""
     if args.tile is None:
-        stray = [flag for flag, value in (("--tile-overlap", args.tile_overlap), ("--tile-merge", args.tile_merge))
-                 if value is not None]
+        stray = [flag for flag, value, default in (("--tile-overlap", args.tile_overlap, DEFAULT_OVERLAP),
+                                                   ("--tile-merge", args.tile_merge, MERGES[0])) if value != default]
         if stray:
             raise ValueError(f"{' and '.join(stray)} need --tile N or HxW (tiled prediction)")
         return None
-    merge = args.tile_merge or MERGES[0]
-    if merge not in MERGES:
-        raise ValueError(f"--tile-merge must be one of {', '.join(MERGES)}, got {merge!r}")
-    overlap = parse_pixels(args.tile_overlap, "--tile-overlap") if args.tile_overlap is not None else (0, 0)
-    return Tiling(parse_pixels(args.tile, "--tile"), overlap, merge)
+    if args.tile_merge not in MERGES:
+        raise ValueError(f"--tile-merge must be one of {', '.join(MERGES)}, got {args.tile_merge!r}")
+    return Tiling(parse_pixels(args.tile, "--tile"), parse_pixels(args.tile_overlap, "--tile-overlap"), args.tile_merge)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,14 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="write one JSON document to stdout instead of lines")
     parser.add_argument("--tile", metavar="N|HxW", default=None,
                         help="predict each image at its own size, in tiles of this many pixels (a multiple of the "
-                        "model's patch size), merged as visattn.tiled.TiledViT does (default: the whole image resized "
-                        "to the size the model was trained at)")
-    parser.add_argument("--tile-overlap", metavar="N|HxW", default=None,
+                        "model's patch size), merged as visattn.tiled.TiledViT does; without it, each image is "
+                        "resized to the size the model was trained at")
+    parser.add_argument("--tile-overlap", metavar="N|HxW", default=DEFAULT_OVERLAP,
                         help="least overlap of neighbouring tiles in pixels, a multiple of the patch size smaller than "
-                        "the tile (default 0)")
-    parser.add_argument("--tile-merge", metavar="|".join(MERGES), default=None,
+                        "the tile")
+    parser.add_argument("--tile-merge", metavar="|".join(MERGES), default=MERGES[0],
                         help="crop: each token from the tile where it is most central; blend: the centrality-weighted "
-                        "mean of the tiles covering it (default crop)")
+                        "mean of the tiles covering it")
     return parser
 
 
