@@ -16,6 +16,7 @@ from torch.utils.data import Subset
 
 import visattn  # noqa: F401  (registers the visattn_vit_* models with timm)
 from tests.train.fake_datasets import CLASS_COLOURS, FAKES, make_fake
+from visattn.models import create_model
 from visattn.train.attention import resolve_attention
 from visattn.train.cli import parse_args
 from visattn.train.config import DATASETS, make_config
@@ -166,8 +167,8 @@ def test_every_recipe_parses_and_its_model_builds(recipe):
     from_file, _, _ = parse_args(["--config", str(recipe)])
     config = make_config(from_file)
     resolve_attention(config)  # as train.py does: a recipe may key its attn_kwargs by type
-    with torch.device("meta"):
-        model = timm.create_model(config.model, **config.model_kwargs_for_timm(num_classes=10))
+    with torch.device("meta"):  # as train.py builds it: a named timm ViT is converted to the recipe's attention
+        model = create_model(config.model, **config.model_kwargs_for_timm(num_classes=10))
     grid = tuple(model.patch_embed.grid_size)
     assert grid == (config.image_hw[0] // config.patch_size, config.image_hw[1] // config.patch_size)
     if recipe.stem in DATASET_SPECS and recipe.stem != "digits":
