@@ -197,6 +197,14 @@ def test_every_recipe_header_states_its_token_count_cost_and_reach(recipe):
     assert "Cost:" in header and "Reached:" in header, f"{recipe.name}: header does not say what it costs and reaches"
 
 
+def test_a_public_dataset_recipe_goes_past_1024_tokens_and_says_it_is_not_measured():
+    recipe = REPO / "configs" / "imagenette-512-4096tok.yaml"
+    config = make_config(parse_args(["--config", str(recipe)])[0])
+    assert config.dataset in PUBLIC and (config.img_size, config.patch_size) == (512, 8)  # a 64x64 grid
+    header = recipe.read_text()
+    assert "4,096 tokens" in header and "GPU recipe, not measured" in header
+
+
 def test_train_py_trains_an_epoch_on_a_fake_through_the_dataset_recipe(tmp_path, monkeypatch):
     import json
 
