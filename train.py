@@ -1,7 +1,7 @@
 """Train a visattn ViT with accelerate.
 
     python train.py --attn axial                        # embedded digits, finishes in minutes on a CPU
-    accelerate launch train.py --config configs/cifar10_vit_s.yaml --attn neighborhood --download
+    accelerate launch train.py --config configs/cifar10-vit-s.yaml --attn neighborhood --download
     accelerate launch --multi_gpu --num_processes 2 train.py --attn axial
     python train.py --attn axial --resume               # continue runs/digits-axial from its last checkpoint
     python train.py --config configs/linearize.yaml     # a softmax run's weights, attention transfer, fine-tune

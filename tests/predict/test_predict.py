@@ -1,5 +1,6 @@
 """visattn.predict on a tiny trained run: what model.json records, predictions against the model itself,
-folders, unreadable files, JSON output, bad run directories and runs written before the data config."""
+folders, unreadable files, JSON output, bad run directories, runs written before the data config, and tiled
+prediction against visattn.tiled.TiledViT."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torchvision.transforms as T
@@ -18,8 +20,9 @@ from safetensors.torch import load_file
 
 from tests.helpers import load_script
 from tests.train.test_train import ENV, REPO, TINY, _image_folder, train
-from visattn.predict import find_images, load_predictor, load_trained_model, predict, read_model_file
+from visattn.predict import Tiling, find_images, load_predictor, load_trained_model, predict, read_model_file
 from visattn.predict.cli import main as predict_main
+from visattn.tiled import TiledViT
 from visattn.train.config import TrainConfig
 from visattn.train.data import DataSplits, build_transform, eval_data_config, load_splits
 
@@ -306,3 +309,81 @@ def test_the_digits_script_writes_the_evaluation_digits_as_an_image_folder(tmp_p
         image, label = evaluation[index]
         written = Image.open(tmp_path / str(label) / f"{index:03d}.png").convert("RGB")
         assert written.tobytes() == image.tobytes()
+
+
+# -- tiled prediction -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def large_digit_files(tmp_path_factory: pytest.TempPathFactory, digit_files: list[Path]) -> list[Path]:
+    """Two images larger than the 16x16 the tiny run was trained at, made of its digits side by side: 40x56
+    px, and 42x59 px (not a multiple of the patch, 4 px), both lossless PNG."""
+    folder = tmp_path_factory.mktemp("large")
+    files = []
+    for name, (height, width) in (("a.png", (40, 56)), ("b.png", (42, 59))):
+        canvas = Image.new("RGB", (width, height))
+        for index, (top, left) in enumerate([(0, 0), (0, 20), (20, 8), (24, 40)]):
+            canvas.paste(Image.open(digit_files[index]).convert("RGB"), (left, top))
+        canvas.save(folder / name)
+        files.append(folder / name)
+    return files
+
+
+def tiled_reference(run_dir: Path, path: Path, tile, overlap, merge: str) -> torch.Tensor:
+    """(num_classes,) softmax of :class:`TiledViT` over the run's best model on the image at ``path``, normalised
+    by hand with model.json's mean and std and cropped by hand to the patch (4 px) around its centre."""
+    data_config = read_model_file(run_dir)["data_config"]
+    pixels = torch.from_numpy(np.asarray(Image.open(path).convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1)
+    mean, std = torch.tensor(data_config["mean"])[:, None, None], torch.tensor(data_config["std"])[:, None, None]
+    height, width = pixels.shape[1] // 4 * 4, pixels.shape[2] // 4 * 4
+    top, left = (pixels.shape[1] - height) // 2, (pixels.shape[2] - width) // 2
+    image = ((pixels - mean) / std)[:, top:top + height, left:left + width]
+    model = load_trained_model(run_dir, dynamic_img_size=tile != 16)
+    with torch.no_grad():
+        return TiledViT(model, tile, overlap, merge)(image[None]).softmax(-1)[0]
+
+
+@pytest.mark.parametrize("tile_args, tile, overlap, merge", [
+    (["--tile", "16", "--tile-overlap", "8"], 16, 8, "crop"),
+    (["--tile", "24x32", "--tile-overlap", "8x4", "--tile-merge", "blend", "--batch-size", "2"], (24, 32), (8, 4), "blend"),
+], ids=["tile16-overlap8-crop", "tile24x32-overlap8x4-blend"])
+def test_tiled_prediction_is_the_tiled_models_own_ranking(tile_args, tile, overlap, merge, tiny_run, large_digit_files, capsys):
+    args = [str(tiny_run), *map(str, large_digit_files), "--top-k", "10", "--json", "--device", "cpu", *tile_args]
+    assert predict_main(args) == 0
+    document = json.loads(capsys.readouterr().out)
+    pair = (lambda value: [value, value] if isinstance(value, int) else list(value))
+    assert document["tiling"] == dict(tile=pair(tile), overlap=pair(overlap), merge=merge)
+    assert [entry["path"] for entry in document["predictions"]] == [str(path) for path in large_digit_files]
+    for entry, path in zip(document["predictions"], large_digit_files):
+        expected = tiled_reference(tiny_run, path, tile, overlap, merge)
+        assert [c["class_name"] for c in entry["top_k"]] == [str(i) for i in expected.argsort(descending=True).tolist()]
+        assert [c["probability"] for c in entry["top_k"]] == pytest.approx(expected.sort(descending=True).values.tolist(), abs=1e-6)
+    # The Python API gives the same, and tiling differs from resizing the whole image.
+    api = predict(load_predictor(tiny_run, device="cpu", dynamic_img_size=True), large_digit_files, top_k=10,
+                  tiling=Tiling(tile, overlap, merge))
+    for entry, result in zip(document["predictions"], api):
+        assert [c["probability"] for c in entry["top_k"]] == pytest.approx([p for _, p in result.top_k], abs=1e-6)
+    whole = predict(load_predictor(tiny_run, device="cpu"), large_digit_files, top_k=10)
+    assert any(abs(a[1] - b[1]) > 1e-4 for r, w in zip(api, whole) for a, b in zip(r.top_k, w.top_k))
+
+
+def test_an_image_smaller_than_the_tile_is_skipped_in_one_line(tiny_run, digit_files, large_digit_files, capsys):
+    assert predict_main([str(tiny_run), str(digit_files[0]), str(large_digit_files[0]), "--tile", "24", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split(": ")[0] for line in out.splitlines()] == [str(large_digit_files[0])]
+    assert err == f"skipped {digit_files[0]}: image 8x8 px is smaller than the tile 24x24 px; use a smaller tile\n"
+
+
+@pytest.mark.parametrize("tile_args, message", [
+    (["--tile", "10"], "tile height must be a positive multiple of the patch size 4 px, got 10"),
+    (["--tile", "16x0"], "tile width must be a positive multiple of the patch size 4 px, got 0"),
+    (["--tile", "big"], "--tile must be N or HxW in pixels (non-negative integers), got 'big'"),
+    (["--tile", "16", "--tile-overlap", "16"], "overlap height must be a multiple of the patch size 4 px in [0, tile height 16), got 16"),
+    (["--tile", "16", "--tile-overlap", "6"], "overlap height must be a multiple of the patch size 4 px in [0, tile height 16), got 6"),
+    (["--tile", "16", "--tile-overlap", "-4"], "--tile-overlap must be N or HxW in pixels (non-negative integers), got '-4'"),
+    (["--tile", "16", "--tile-merge", "mean"], "--tile-merge must be one of crop, blend, got 'mean'"),
+    (["--tile-overlap", "8"], "--tile-overlap need --tile N or HxW (tiled prediction)"),
+], ids=["not-a-multiple", "zero", "not-a-size", "overlap-a-whole-tile", "overlap-not-a-multiple", "negative-overlap",
+        "unknown-merge", "overlap-without-tile"])
+def test_a_bad_tile_value_is_one_line_naming_the_accepted_ones(tile_args, message, tiny_run, large_digit_files, capsys):
+    assert predict_main([str(tiny_run), str(large_digit_files[0]), "--device", "cpu", *tile_args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: {message}\n"

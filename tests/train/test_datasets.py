@@ -16,6 +16,7 @@ from torch.utils.data import Subset
 
 import visattn  # noqa: F401  (registers the visattn_vit_* models with timm)
 from tests.train.fake_datasets import CLASS_COLOURS, FAKES, make_fake
+from visattn.models import create_model
 from visattn.train.attention import resolve_attention
 from visattn.train.cli import parse_args
 from visattn.train.config import DATASETS, make_config
@@ -35,13 +36,23 @@ def _colour_class(image) -> int:
     return int(np.argmin([np.abs(mean - colour).sum() for colour in CLASS_COLOURS]))
 
 
+# Recipes named for what they are rather than for their dataset; the others are configs/<dataset>.yaml.
+RENAMED_RECIPES = {
+    "cifar10": "cifar10-pixels-1024tok", "cifar100": "cifar100-pixels-1024tok", "imagenette-full": "imagenette-448",
+}
+
+
+def recipe_file(dataset: str) -> str:
+    return f"configs/{RENAMED_RECIPES.get(dataset, dataset)}.yaml"
+
+
 def test_every_dataset_name_comes_from_the_registry_and_has_a_fake_and_a_recipe():
     assert DATASETS == tuple(DATASET_SPECS)
     assert set(PUBLIC) == set(FAKES)
     assert {"cifar10", "cifar100", "stl10", "flowers102", "oxford_pets", "food101", "eurosat", "imagenette",
             "imagefolder", "digits"} <= set(DATASETS)
     for name, spec in DATASET_SPECS.items():
-        assert (REPO / "configs" / f"{name}.yaml").is_file(), name
+        assert spec.recipe_file == recipe_file(name) and (REPO / spec.recipe_file).is_file(), name
         assert make_config({"dataset": name, "data_dir": "x"}).img_size == spec.default_img_size
 
 
@@ -89,7 +100,7 @@ def test_a_missing_dataset_is_one_line_with_the_command_that_fetches_it(name, tm
         load_splits(config)
     message = str(caught.value)
     assert "\n" not in message and "was not found" in message
-    assert message.endswith(f": python train.py --config configs/{name}.yaml --data-dir {tmp_path} --download")
+    assert message.endswith(f": python train.py --config {recipe_file(name)} --data-dir {tmp_path} --download")
     assert _files(tmp_path) == []
 
 
@@ -120,7 +131,7 @@ def test_a_damaged_dataset_is_one_line_and_is_left_as_it_is(name, tmp_path, monk
         load_splits(make_config({"dataset": name, "data_dir": str(tmp_path)}))
     message = str(caught.value)
     assert "\n" not in message and "is incomplete or corrupted" in message
-    assert message.endswith(f"again: python train.py --config configs/{name}.yaml --data-dir {tmp_path} --download")
+    assert message.endswith(f"again: python train.py --config {recipe_file(name)} --data-dir {tmp_path} --download")
     assert _files(tmp_path) == before
 
 
@@ -166,14 +177,32 @@ def test_every_recipe_parses_and_its_model_builds(recipe):
     from_file, _, _ = parse_args(["--config", str(recipe)])
     config = make_config(from_file)
     resolve_attention(config)  # as train.py does: a recipe may key its attn_kwargs by type
-    with torch.device("meta"):
-        model = timm.create_model(config.model, **config.model_kwargs_for_timm(num_classes=10))
+    with torch.device("meta"):  # as train.py builds it: a named timm ViT is converted to the recipe's attention
+        model = create_model(config.model, **config.model_kwargs_for_timm(num_classes=10))
     grid = tuple(model.patch_embed.grid_size)
     assert grid == (config.image_hw[0] // config.patch_size, config.image_hw[1] // config.patch_size)
-    if recipe.stem in DATASET_SPECS and recipe.stem != "digits":
+    dataset_recipes = {str(REPO / spec.recipe_file): name for name, spec in DATASET_SPECS.items()}
+    if str(recipe) in dataset_recipes and recipe.stem != "digits":
         assert grid[0] >= 32 and grid[1] >= 32, f"{recipe.name}: grid {grid} is smaller than 32x32"
         assert config.attn in LINEAR_TIME, f"{recipe.name}: {config.attn} is not a linear-time attention"
-        assert config.img_size == DATASET_SPECS[recipe.stem].default_img_size
+        assert config.img_size == DATASET_SPECS[dataset_recipes[str(recipe)]].default_img_size
+
+
+@pytest.mark.parametrize("recipe", _recipes(), ids=lambda path: path.stem)
+def test_every_recipe_header_states_its_token_count_cost_and_reach(recipe):
+    header = " ".join(line.lstrip("# ") for line in recipe.read_text().splitlines() if line.startswith("#"))
+    config = make_config(parse_args(["--config", str(recipe)])[0])
+    tokens = (config.image_hw[0] // config.patch_size) * (config.image_hw[1] // config.patch_size)
+    assert f"{tokens:,} tokens" in header, f"{recipe.name}: header does not state its {tokens:,} tokens"
+    assert "Cost:" in header and "Reached:" in header, f"{recipe.name}: header does not say what it costs and reaches"
+
+
+def test_a_public_dataset_recipe_goes_past_1024_tokens_and_says_it_is_not_measured():
+    recipe = REPO / "configs" / "imagenette-512-4096tok.yaml"
+    config = make_config(parse_args(["--config", str(recipe)])[0])
+    assert config.dataset in PUBLIC and (config.img_size, config.patch_size) == (512, 8)  # a 64x64 grid
+    header = recipe.read_text()
+    assert "4,096 tokens" in header and "GPU recipe, not measured" in header
 
 
 def test_train_py_trains_an_epoch_on_a_fake_through_the_dataset_recipe(tmp_path, monkeypatch):
@@ -202,7 +231,7 @@ def test_the_readme_has_a_line_per_dataset_with_its_recipe_and_fetch_command():
     readme = (REPO / "README.md").read_text()
     for name, spec in DATASET_SPECS.items():
         (row,) = [line for line in readme.splitlines() if line.startswith(f"| `{name}` |")]
-        assert f"`{spec.reader}`" in row and f"{spec.default_img_size} px" in row and f"`configs/{name}.yaml`" in row
+        assert f"`{spec.reader}`" in row and f"{spec.default_img_size} px" in row and f"`{spec.recipe_file}`" in row
         if spec.download_size is not None:
             assert f"`{spec.fetch_command('DIR')}`" in row
 

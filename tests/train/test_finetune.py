@@ -1,6 +1,7 @@
 """Fine-tuning a stock timm ViT through train.py: its weights arrive unchanged in the converted model at
 step 0 (the position embeddings resampled to the larger grid, a new head where the class count differs),
-from a safetensors file, a .pth state dict or a visattn run; and the ways a start can fail, each one line."""
+from a safetensors file, a .pth state dict or a visattn run, normalised as those weights expect; the fine-tune
+recipe; and the ways a start can fail, each one line."""
 from __future__ import annotations
 
 import subprocess
@@ -15,12 +16,17 @@ from huggingface_hub import constants as hf_constants
 from safetensors.torch import save_file
 from timm.layers import resample_abs_pos_embed
 
+import yaml
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
 import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.models import create_model, load_weights
-from visattn.predict import load_trained_model
+from visattn.predict import load_trained_model, read_model_file
 from visattn.train.build import build_model
 from visattn.train.cli import resolve_config
-from visattn.train.config import ConfigError
+from visattn.train.cli import parse_args
+from visattn.train.config import ConfigError, make_config
+from visattn.train.data import DataSplits, choose_normalization, load_splits
 from visattn.train.initial import load_initial_weights, read_initial_weights
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,6 +91,14 @@ def test_finetune_starts_from_the_stock_weights(kind, tmp_path, monkeypatch, cap
     assert train.main([*FINETUNE, "--initial-checkpoint", str(source_path), "--run-dir", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "resampled to the model's grid: pos_embed" in out
+    # A timm model's weights expect its pretrained_cfg's normalisation (augreg: 0.5/0.5); a run's, the one it
+    # recorded (here the digits' own statistics, as the source run trained from scratch).
+    digits = load_splits(make_config({})).mean
+    expected_mean = digits if kind == "run" else (0.5, 0.5, 0.5)
+    assert read_model_file(run_dir)["data_config"]["mean"] == pytest.approx(expected_mean, abs=1e-12)
+    (line,) = [line for line in out.splitlines() if line.startswith("normalisation: ")]
+    assert ("the one " + str(source_path) + " was trained with" in line) == (kind == "run")
+    assert ("vit_tiny_patch16_224's pretrained_cfg" in line) == (kind != "run")
     assert "initial weights, before any update: eval loss" in out
     step0 = seen[0]
 
@@ -243,3 +257,57 @@ def test_create_model_refuses_a_model_convert_cannot_change():
 def test_pretrained_and_initial_checkpoint_exclude_each_other():
     with pytest.raises(ConfigError, match="exclude each other"):
         resolve_config(["--pretrained", "--initial-checkpoint", "x.pth"])
+
+
+# -- normalisation and the fine-tune recipe -------------------------------------------------------------
+DATASET_STATS = DataSplits(train=[], eval=[], num_classes=10, mean=(0.3, 0.3, 0.3), std=(0.4, 0.4, 0.4))
+
+
+@pytest.mark.parametrize("values, mean, std, why", [
+    ({}, (0.3,) * 3, (0.4,) * 3, "the digits dataset's"),
+    ({"model": "vit_small_patch16_224"}, (0.3,) * 3, (0.4,) * 3, "the digits dataset's"),  # fresh weights
+    ({"model": "vit_small_patch16_224", "pretrained": True}, (0.5,) * 3, (0.5,) * 3,
+     "vit_small_patch16_224's pretrained_cfg (timm/vit_small_patch16_224.augreg_in21k_ft_in1k), what the weights of "
+     "--pretrained expect, not the digits dataset's own"),
+    ({"model": "deit_small_patch16_224", "initial_checkpoint": "deit.pth"}, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD,
+     "deit_small_patch16_224's pretrained_cfg (timm/deit_small_patch16_224.fb_in1k), what the weights of "
+     "--initial-checkpoint expect, not the digits dataset's own"),
+    ({"model": "vit_small_patch16_224", "pretrained": True,
+      "model_kwargs": {"pretrained_cfg_overlay": {"file": "w.safetensors", "mean": [0.1, 0.2, 0.3]}}},
+     (0.1, 0.2, 0.3), (0.5,) * 3, "vit_small_patch16_224's pretrained_cfg"),
+    ({"initial_checkpoint": "weights.safetensors"}, (0.3,) * 3, (0.4,) * 3, "the digits dataset's"),  # no timm cfg
+], ids=["fresh-visattn", "fresh-timm", "pretrained-augreg", "initial-deit", "overlay", "initial-visattn"])
+def test_normalisation_is_the_weights_own_when_a_named_timm_model_starts_from_them(values, mean, std, why):
+    chosen = choose_normalization(make_config(values), DATASET_STATS)
+    assert chosen.mean == pytest.approx(mean) and chosen.std == pytest.approx(std)
+    assert chosen.reason.startswith(why)
+
+
+def test_the_finetune_recipe_is_a_pretrained_vit_s_at_a_fine_tuning_learning_rate():
+    from_file, _, _ = parse_args(["--config", str(REPO / "configs" / "finetune.yaml")])
+    config = make_config(from_file)
+    assert (config.model, config.attn, config.img_size, config.patch_size) == ("vit_small_patch16_224", "linear", 224, 16)
+    assert (config.embed_dim, config.depth, config.num_heads, config.class_token) == (384, 12, 6, True)  # ViT-S's own
+    assert (config.opt, config.lr, config.sched, config.warmup_epochs, config.epochs) == ("adamw", 1e-4, "cosine", 1, 10)
+    assert config.mixed_precision == "bf16" and not config.pretrained and config.initial_checkpoint is None
+    assert "196 tokens" in (REPO / "configs" / "finetune.yaml").read_text()
+    with_weights = make_config(from_file, {"pretrained": True})
+    assert choose_normalization(with_weights, DATASET_STATS).mean == (0.5, 0.5, 0.5)
+    # another named model brings its shape, the recipe's image size stays
+    base = make_config(from_file, {"model": "vit_base_patch16_224"})
+    assert (base.embed_dim, base.num_heads, base.img_size) == (768, 12, 224)
+
+
+def test_the_finetune_recipe_trains_with_the_weights_normalisation(tmp_path, capsys):
+    """The recipe, shrunk to the digits and a 2-block ViT, from a file of stock weights: one epoch on the CPU."""
+    source_path, _ = write_source("safetensors", tmp_path)
+    run_dir = tmp_path / "run"
+    args = ["--config", str(REPO / "configs" / "finetune.yaml"), "--dataset", "digits", "--model", MODEL,
+            *FINETUNE[FINETUNE.index("--img-size"):], "--mixed-precision", "no", "--num-workers", "0",
+            "--initial-checkpoint", str(source_path), "--run-dir", str(run_dir)]
+    assert train.main(args) == 0
+    out = capsys.readouterr().out
+    assert "normalisation: mean (0.5, 0.5, 0.5), std (0.5, 0.5, 0.5): vit_tiny_patch16_224's pretrained_cfg" in out
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (saved["lr"], saved["sched"], saved["attn"]) == (1e-4, "cosine", "linear")
+    assert read_model_file(run_dir)["data_config"]["std"] == [0.5, 0.5, 0.5]

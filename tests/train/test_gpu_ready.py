@@ -20,7 +20,7 @@ from visattn.train.cli import LAUNCHER_PRECISION, choose_mixed_precision, resolv
 from visattn.train.config import ConfigError, make_config
 from visattn.train.data import TransformedDataset, load_splits
 
-BF16_RECIPE = str(REPO / "configs" / "cifar10.yaml")  # mixed_precision: bf16
+BF16_RECIPE = str(REPO / "configs" / "cifar10-pixels-1024tok.yaml")  # mixed_precision: bf16
 
 
 @pytest.fixture

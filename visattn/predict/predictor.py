@@ -21,6 +21,7 @@ from timm.data import create_transform, resolve_model_data_config
 
 from visattn.predict.images import UnreadableImageError, read_image, to_rgb
 from visattn.predict.run_dir import MODEL_FILE, load_trained_model, missing_run_info, read_model_file
+from visattn.predict.tiling import Tiling, smaller_than_tile, tiled_input
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -118,38 +119,71 @@ def iter_predictions(
     images: Iterable[str | Path | Image.Image],
     top_k: int = 5,
     batch_size: int = DEFAULT_BATCH_SIZE,
+    tiling: Tiling | None = None,
 ) -> Iterator[Prediction]:
-    """:func:`predict`, one result at a time, reading only ``batch_size`` images ahead."""
+    """:func:`predict`, one result at a time, reading only ``batch_size`` images ahead (one image at a time
+    with ``tiling``)."""
     if top_k < 1:
         raise ValueError(f"top_k must be at least 1, got {top_k}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     predictor = model_or_predictor if isinstance(model_or_predictor, Predictor) else Predictor.from_model(model_or_predictor)
     k = min(top_k, len(predictor.class_names))
+    if tiling is not None:
+        yield from _iter_tiled_predictions(predictor, images, k, tiling.wrap(predictor.model, batch_size))
+        return
     items = iter(images)
     while chunk := list(islice(items, batch_size)):
         errors: list[str | None] = []
         tensors: list[torch.Tensor] = []  # each (3, H, W)
         for item in chunk:
             try:
-                image = to_rgb(item) if isinstance(item, Image.Image) else read_image(item)
+                image = _read(item)
             except UnreadableImageError as error:
                 errors.append(str(error))
                 continue
             errors.append(None)
             tensors.append(predictor.transform(image))
-        ranked = iter(_top_k(predictor, tensors, k))
+        ranked = iter(_top_k(predictor, predictor.model, tensors, k))
         for item, error in zip(chunk, errors):
-            path = None if isinstance(item, Image.Image) else str(item)
+            path = _path(item)
             yield Prediction(path, [], error) if error is not None else Prediction(path, next(ranked))
 
 
-def _top_k(predictor: Predictor, tensors: list[torch.Tensor], k: int) -> list[list[tuple[str, float]]]:
-    """The ``k`` most probable (class name, probability) pairs of each image of ``tensors`` (each (3, H, W))."""
+def _iter_tiled_predictions(
+    predictor: Predictor, images: Iterable[str | Path | Image.Image], k: int, tiled: nn.Module
+) -> Iterator[Prediction]:
+    """Each image alone (sizes differ), at its own size, through ``tiled`` (a TiledViT of the predictor's model)."""
+    patch_size = tuple(predictor.model.patch_embed.patch_size)
+    for item in images:
+        try:
+            image = _read(item)
+        except UnreadableImageError as error:
+            yield Prediction(_path(item), [], str(error))
+            continue
+        reason = smaller_than_tile(image, tiled.tile)
+        if reason is not None:
+            yield Prediction(_path(item), [], reason)
+            continue
+        tensor = tiled_input(image, predictor.data_config, patch_size)  # (3, H, W)
+        yield Prediction(_path(item), _top_k(predictor, tiled, [tensor], k)[0])
+
+
+def _read(item: str | Path | Image.Image) -> Image.Image:
+    return to_rgb(item) if isinstance(item, Image.Image) else read_image(item)
+
+
+def _path(item: str | Path | Image.Image) -> str | None:
+    return None if isinstance(item, Image.Image) else str(item)
+
+
+def _top_k(predictor: Predictor, model: nn.Module, tensors: list[torch.Tensor], k: int) -> list[list[tuple[str, float]]]:
+    """The ``k`` most probable (class name, probability) pairs of ``model`` on each image of ``tensors``
+    (each (3, H, W), stacked into one batch)."""
     if not tensors:
         return []
     with torch.inference_mode():
-        logits = predictor.model(torch.stack(tensors).to(predictor.device))  # (B, num_classes)
+        logits = model(torch.stack(tensors).to(predictor.device))  # (B, num_classes)
     probabilities, indices = logits.float().softmax(dim=-1).topk(k, dim=-1)  # each (B, k)
     return [
         [(predictor.class_names[index], probability) for probability, index in zip(row_probs, row_indices)]
@@ -162,6 +196,7 @@ def predict(
     images: Iterable[str | Path | Image.Image],
     top_k: int = 5,
     batch_size: int = DEFAULT_BATCH_SIZE,
+    tiling: Tiling | None = None,
 ) -> list[Prediction]:
     """The ``top_k`` most probable classes of each image, in the order given, ``batch_size`` images a forward.
 
@@ -169,5 +204,9 @@ def predict(
     ``error`` and no classes; the others are predicted all the same. A bare model is used with
     :meth:`Predictor.from_model` (its ``pretrained_cfg`` data config, on the device it is on). ``top_k``
     beyond the number of classes gives them all.
+
+    ``tiling``: each image at its own size, cut into tiles merged by :class:`visattn.tiled.TiledViT`
+    (:mod:`visattn.predict.tiling`), ``batch_size`` tiles a forward; the model must take the tile size (its
+    ``img_size``, or any with ``dynamic_img_size=True``). ValueError for a tile or overlap it cannot take.
     """
-    return list(iter_predictions(model_or_predictor, images, top_k, batch_size))
+    return list(iter_predictions(model_or_predictor, images, top_k, batch_size, tiling))

@@ -2,7 +2,8 @@
 :data:`visattn.train.datasets.DATASET_SPECS`), limited to a fixed subset if asked, and timm's transforms.
 
 Every dataset yields PIL RGB images; timm's ``create_transform`` turns them into tensors, resized to the
-image size the patch grid asks for. The image files a run reads are checked before it starts
+image size the patch grid asks for, and normalised as :func:`choose_normalization` says: with the dataset's
+mean and std, except when the run starts from weights trained with another. The image files a run reads are checked before it starts
 (:func:`check_images`), and those that cannot be read are named or, if asked, left out (:func:`without_images`). Training
 augmentation draws its randomness from a seed fixed by (run seed, epoch, sample index), not from the
 process RNG, so the augmented images do not depend on the number of processes, the number of
@@ -13,21 +14,27 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from timm.data import create_transform
+from timm.models import get_pretrained_cfg
 from torch.utils.data import Dataset, Subset
+
+from visattn.predict import read_model_file, recorded_data_config
 
 from visattn.train.config import TrainConfig
 from visattn.train.datasets import DATASET_SPECS, SPLIT_SEED, DataError, DataSource, DataSplits
 from visattn.train.datasets.image_files import ImageCheck, check_image_files, describe_unreadable, image_samples
+from visattn.train.rundir import is_run_dir
 
 __all__ = [
-    "SPLIT_SEED", "DataError", "DataSplits", "ImageCheck", "TransformedDataset", "build_transform", "check_images",
-    "describe_unreadable", "load_splits", "without_images",
+    "SPLIT_SEED", "DataError", "DataSplits", "ImageCheck", "Normalization", "TransformedDataset", "build_transform",
+    "check_images", "choose_normalization", "describe_unreadable", "load_splits", "without_images",
 ]
 
 
@@ -94,12 +101,54 @@ def _fixed_subset(dataset: Dataset, size: int | None) -> Dataset:
     return Subset(dataset, sorted(order[:size].tolist()))
 
 
+@dataclass(frozen=True)
+class Normalization:
+    """The per-channel ``mean`` and ``std`` a run normalises its images with, and ``reason``: why these."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    reason: str
+
+    def line(self) -> str:
+        """The start-up line: 'normalisation: mean (0.5, 0.5, 0.5), std (0.5, 0.5, 0.5): REASON'."""
+        mean, std = (", ".join(f"{value:.4g}" for value in values) for values in (self.mean, self.std))
+        return f"normalisation: mean ({mean}), std ({std}): {self.reason}"
+
+
+def choose_normalization(config: TrainConfig, splits: DataSplits) -> Normalization:
+    """The mean and std of the images' normalisation: the ones the first weights were trained with when the run
+    starts from weights, else the dataset's.
+
+    * ``initial_checkpoint`` a visattn run: the mean and std that run recorded in its model.json;
+    * ``pretrained``, or ``initial_checkpoint`` a weights file, of a timm model with published weights (its
+      ``pretrained_cfg``, with the ``pretrained_cfg_overlay`` of ``model_kwargs``): its (timm's augreg ViTs 0.5/0.5, DeiT
+      ImageNet's), which the weights expect, whatever the dataset's own statistics;
+    * otherwise (fresh weights, or a visattn_vit_* model, which timm publishes no weights of): the dataset's.
+    """
+    if config.initial_checkpoint is not None and is_run_dir(Path(config.initial_checkpoint)):
+        recorded = recorded_data_config(read_model_file(config.initial_checkpoint))
+        return Normalization(tuple(recorded["mean"]), tuple(recorded["std"]),
+                             f"the one {config.initial_checkpoint} was trained with, whose weights the run starts from")
+    pretrained_cfg = get_pretrained_cfg(config.model) if config.pretrained or config.initial_checkpoint else None
+    # visattn_vit_* models carry a cfg too (ImageNet's mean/std), but no published weights that would expect it
+    if pretrained_cfg is not None and (pretrained_cfg.hf_hub_id or pretrained_cfg.url):
+        overlay = config.model_kwargs.get("pretrained_cfg_overlay") or {}
+        mean, std = overlay.get("mean", pretrained_cfg.mean), overlay.get("std", pretrained_cfg.std)
+        weights = "--pretrained" if config.pretrained else "--initial-checkpoint"
+        named = pretrained_cfg.hf_hub_id or config.model
+        return Normalization(tuple(mean), tuple(std), f"{config.model}'s pretrained_cfg ({named}), what the weights of "
+                             f"{weights} expect, not the {config.dataset} dataset's own")
+    return Normalization(tuple(splits.mean), tuple(splits.std), f"the {config.dataset} dataset's")
+
+
 def eval_data_config(config: TrainConfig, splits: DataSplits) -> dict[str, Any]:
     """The evaluation transform in timm's data-config vocabulary (what ``timm.data.resolve_data_config``
     returns and ``create_transform`` takes): resize the shorter side to the image size, centre crop,
-    normalize. model.json records it, so that prediction sees images as evaluation did."""
+    normalize (:func:`choose_normalization`). model.json records it, so that prediction sees images as
+    evaluation did."""
+    normalization = choose_normalization(config, splits)
     return dict(
-        input_size=(3, *config.image_hw), interpolation="bicubic", mean=tuple(splits.mean), std=tuple(splits.std),
+        input_size=(3, *config.image_hw), interpolation="bicubic", mean=normalization.mean, std=normalization.std,
         crop_pct=1.0, crop_mode="center",
     )
 

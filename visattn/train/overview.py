@@ -9,7 +9,7 @@ import torch.nn as nn
 from visattn.layers import attention_options, get_attention, list_attentions
 from visattn.layers.cost import TokenLayout
 from visattn.train.config import MAX_DEFAULT_TOKENS, TrainConfig
-from visattn.train.data import DataSplits, ImageCheck, describe_unreadable
+from visattn.train.data import DataSplits, ImageCheck, choose_normalization, describe_unreadable
 from visattn.train.run_log import significant
 
 # timm's own Attention (attn=timm) is full softmax attention: the softmax layer's cost model is its cost.
@@ -99,8 +99,8 @@ def run_overview(
     config: TrainConfig, splits: DataSplits, model: nn.Module, num_processes: int, batches_per_epoch: int,
     auto: bool, run_dir: Path, device: torch.device, image_check: ImageCheck,
 ) -> list[str]:
-    """One line each: data (and its image files), model, attention, schedule, run directory; and a warning when
-    the warm-up does not end within the run."""
+    """One line each: data (and its image files, and for a run that starts from weights, its normalisation and
+    why), model, attention, schedule, run directory; and a warning when the warm-up does not end within the run."""
     height, width = config.image_hw
     rows, cols = model.patch_embed.grid_size
     patch_h, patch_w = model.patch_embed.patch_size
@@ -116,6 +116,7 @@ def run_overview(
         f"{'no' if splits.val is None else len(splits.val)} validation / {len(splits.eval)} test images, "
         f"{splits.num_classes} classes, resized to {height}x{width}",
         *image_check_lines(image_check),
+        *([choose_normalization(config, splits).line()] if config.pretrained or config.initial_checkpoint else []),
         f"model: {config.model}, {params:,} parameters, {rows}x{cols} grid of {patch_h}x{patch_w} patches = "
         f"{rows * cols:,} tokens" + (f" + {prefix} prefix" if prefix else ""),
         attention_line(names, auto),

@@ -156,19 +156,23 @@ def load_torchvision_splits(name: str, data_dir: str | None, download: bool, eva
     )
 
 
-def _spec(name: str, title: str, reader: str, size: int, official: str, download_size: str) -> DatasetSpec:
+def _spec(
+    name: str, title: str, reader: str, size: int, official: str, download_size: str, recipe: str | None = None
+) -> DatasetSpec:
     def load(source: DataSource) -> DataSplits:
         return load_torchvision_splits(name, source.data_dir, source.download, source.eval_fraction)
 
     return DatasetSpec(
         name=name, title=title, reader=reader, default_img_size=size, official_splits=official, load=load,
-        download_size=download_size,
+        download_size=download_size, recipe=recipe,
     )
 
 
 SPECS = (
-    _spec("cifar10", "CIFAR-10", "torchvision.datasets.CIFAR10", 32, "train 50,000 / test 10,000", "170 MB"),
-    _spec("cifar100", "CIFAR-100", "torchvision.datasets.CIFAR100", 32, "train 50,000 / test 10,000", "170 MB"),
+    _spec("cifar10", "CIFAR-10", "torchvision.datasets.CIFAR10", 32, "train 50,000 / test 10,000", "170 MB",
+          recipe="cifar10-pixels-1024tok"),
+    _spec("cifar100", "CIFAR-100", "torchvision.datasets.CIFAR100", 32, "train 50,000 / test 10,000", "170 MB",
+          recipe="cifar100-pixels-1024tok"),
     _spec("stl10", "STL-10", "torchvision.datasets.STL10", 96,
           "train 5,000 / test 8,000 (the 100,000 unlabelled images are not used)", "2.6 GB"),
     _spec("flowers102", "Oxford 102 Flowers", "torchvision.datasets.Flowers102", 512,
@@ -183,6 +187,6 @@ SPECS = (
     _spec("imagenette-160", "Imagenette (160 px)", "torchvision.datasets.Imagenette(size='160px')", 160,
           "train 9,469 / val 3,925 (evaluated as test)", "95 MB"),
     _spec("imagenette-full", "Imagenette (full size)", "torchvision.datasets.Imagenette(size='full')", 448,
-          "train 9,469 / val 3,925 (evaluated as test)", "1.5 GB"),
+          "train 9,469 / val 3,925 (evaluated as test)", "1.5 GB", recipe="imagenette-448"),
 )
 _SPECS = {spec.name: spec for spec in SPECS}

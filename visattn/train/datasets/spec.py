@@ -82,6 +82,8 @@ class DatasetSpec:
         official_splits: the splits the dataset is published with, e.g. ``"train 1,020 / val 1,020 / test 6,149"``.
         load: (source) -> DataSplits; DataError when the data is missing or unreadable.
         download_size: approximate size of what ``--download`` fetches; None when there is nothing to fetch.
+        recipe: the file name (without .yaml) of its recipe under configs/, where it is not ``name``: a name
+            that says what the recipe is (``cifar10-pixels-1024tok``).
     """
 
     name: str
@@ -91,10 +93,16 @@ class DatasetSpec:
     official_splits: str
     load: Callable[[DataSource], DataSplits]
     download_size: str | None = None
+    recipe: str | None = None
+
+    @property
+    def recipe_file(self) -> str:
+        """Its recipe, relative to the repository: ``configs/NAME.yaml``."""
+        return f"configs/{self.recipe or self.name}.yaml"
 
     def fetch_command(self, root: Path | str) -> str:
         """The command that downloads this dataset into ``root`` (and trains its recipe)."""
-        return f"python train.py --config configs/{self.name}.yaml --data-dir {root} --download"
+        return f"python train.py --config {self.recipe_file} --data-dir {root} --download"
 
 
 def cut_stratified(labels: Sequence[int], fraction: float) -> tuple[list[int], list[int]]:
