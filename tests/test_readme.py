@@ -131,11 +131,15 @@ STARTS = {
         "--config configs/imagefolder.yaml --data-dir {images} --img-size 64 --depth 1 --mixed-precision no "
         f"{SHORT_TRAINING} --run-dir {{tmp}}/imagefolder",
     "python train.py --model vit_small_patch16_224 --pretrained --attn linear --img-size 448 "
-    "--patch-size 16 --embed-dim 384 --depth 12 --num-heads 6 --mlp-ratio 4 --class-token --global-pool token "
     "--dataset imagefolder --data-dir /tmp/digits_png":
         "{python} train.py --model vit_small_patch16_224 --pretrained --attn linear --img-size 32 "
-        "--patch-size 16 --embed-dim 384 --depth 12 --num-heads 6 --mlp-ratio 4 --class-token --global-pool token "
         f"--dataset imagefolder --data-dir {{images}} {SHORT_TRAINING} --run-dir {{tmp}}/finetune",
+    "python train.py --attn softmax --run-dir runs/digits-softmax # a trained softmax model, then:":
+        f"{{python}} train.py --attn softmax {SHORT_TRAINING} --run-dir {{tmp}}/digits-softmax",
+    # the short digits run stands in for the softmax parent (the same qkv and proj)
+    "python train.py --config configs/linearize.yaml # attention transfer, then fine-tune":
+        "{python} train.py --config configs/linearize.yaml --initial-checkpoint {run} --transfer-epochs 1 "
+        f"{SHORT_TRAINING} --run-dir {{tmp}}/linearize",
     "visattn-predict runs/digits-axial /tmp/digits_png/3 --top-k 3": "{python} -m visattn.predict {run} {images}/3 --top-k 3",
     "visattn-bench --attn linear axial neighborhood --sizes 2048 --modes infer --out bench_out/cpu2048":
         "{python} -m visattn.bench --attn linear axial neighborhood --sizes 2048 --modes infer --out {tmp}/cpu2048 "

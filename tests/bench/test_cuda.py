@@ -8,6 +8,7 @@ import csv
 import io
 import statistics
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from visattn.bench.memory import start_on_device
 from visattn.bench.ratios import rate_ratio
 from visattn.bench.runners import build_runner
 from visattn.bench.sweep import DTYPES, FLOOR, Case, Result
-from visattn.bench.trial import run_trial
+from visattn.bench.trial import cap_memory, run_trial
 from visattn.layers import get_attention, list_attentions
 from visattn.layers.cost import TokenLayout
 from visattn.models import auto
@@ -312,3 +313,15 @@ def test_a_worker_starts_on_a_bare_or_indexed_cuda_device(monkeypatch, device, s
     start_on_device(torch.device(device))
     expected = [] if device == "cpu" else ([("set", set_to)] if set_to else []) + [("reset", device)]
     assert calls == expected
+
+
+@pytest.mark.parametrize("device, index", [("cuda", 0), ("cuda:1", 1)])
+def test_a_trial_caps_memory_on_a_bare_or_indexed_cuda_device(monkeypatch, device, index):
+    """``torch.cuda.set_per_process_memory_fraction`` refuses a device without an index: a bare ``cuda``
+    caps the current GPU."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, i: calls.append((fraction, i)))
+    cap_memory(torch.device(device), 20 * 2**30)
+    assert calls == [(0.25, index)]

@@ -227,10 +227,10 @@ def test_train_py_trains_an_epoch_on_a_fake_through_the_dataset_recipe(tmp_path,
     assert round(summary["test_acc"] * 6, 6) == round(summary["test_acc"] * 6)  # over the 6 test images
 
 
-def test_the_readme_has_a_line_per_dataset_with_its_recipe_and_fetch_command():
-    readme = (REPO / "README.md").read_text()
+def test_the_datasets_page_has_a_line_per_dataset_with_its_recipe_and_fetch_command():
+    page = (REPO / "docs" / "datasets.md").read_text()
     for name, spec in DATASET_SPECS.items():
-        (row,) = [line for line in readme.splitlines() if line.startswith(f"| `{name}` |")]
+        (row,) = [line for line in page.splitlines() if line.startswith(f"| `{name}` |")]
         assert f"`{spec.reader}`" in row and f"{spec.default_img_size} px" in row and f"`{spec.recipe_file}`" in row
         if spec.download_size is not None:
             assert f"`{spec.fetch_command('DIR')}`" in row

@@ -50,8 +50,9 @@ class Trial:
 def cap_memory(device: torch.device, limit: int) -> None:
     """Let this process allocate ``limit`` more bytes and no more (see the module docstring)."""
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()  # refuses a bare cuda
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
         return
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     soft = proc_status_bytes("VmData") + limit

@@ -158,20 +158,22 @@ def choose_axial_backend(t: torch.Tensor, dropout_p: float, needs_grad: bool) ->
 def choose_local_backend(
     t: torch.Tensor, needs_grad: bool, dropout_p: float, self_only: bool, dense_cheaper: bool
 ) -> str:
-    """A window of one key: gathered (exact there). On CUDA without dropout, flex: FlexAttention's
-    compiled block-sparse kernel computes only the blocks the windows reach, where the gathered tiles
-    and the dense mask send SDPA to its masked kernels; with dropout (FlexAttention has none), the rules
-    below. Where the windows cover enough of the grid that attention over all tokens costs no more than
-    the tiles (short sequences), dense. Else, on the CPU when no autograd, dropout or compiled graph
-    needs the whole computation at once, chunk by chunk; elsewhere gathered: one batched SDPA over all
-    tiles, the shape GPU kernels and the compiler want. (FlexAttention ships with every torch this
-    package accepts, so it needs no availability check.)"""
+    """A window of one key: gathered (exact there). Where the windows cover enough of the grid that
+    attention over all tokens costs no more than the tiles (short sequences: a 7 x 7 window on 14 x 14
+    patches), dense, on any device: a block-sparse kernel has no empty block to skip there and would
+    compile for every shape. Else on CUDA without dropout, flex: FlexAttention's compiled block-sparse
+    kernel computes only the blocks the windows reach, where the gathered tiles send SDPA to its masked
+    kernels; with dropout (FlexAttention has none), gathered. On the CPU when no autograd, dropout or
+    compiled graph needs the whole computation at once, chunk by chunk; elsewhere gathered: one batched
+    SDPA over all tiles, the shape GPU kernels and the compiler want. (FlexAttention ships with every
+    torch this package accepts, so it needs no availability check.) Provisional on CUDA until the GPU
+    benchmark has measured flex against dense and gathered."""
     if self_only:
         return "gathered"
-    if t.device.type == "cuda" and not dropout_p:
-        return "flex"
     if dense_cheaper:
         return "dense"
+    if t.device.type == "cuda" and not dropout_p:
+        return "flex"
     if needs_grad or dropout_p or not _eager_on_cpu(t):
         return "gathered"
     return "chunked"
