@@ -101,6 +101,7 @@ class AttentionTransfer:
         # the attention parameters the transfer keeps: no gradient is recorded for them in its forwards
         self.kept = [param for block in student.blocks for param in block.attn.parameters() if id(param) not in trained]
         self.trained_blocks = [index for index, params in enumerate(self.block_parameters) if params]
+        self._block_index: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
     @property
     def depth(self) -> int:
@@ -117,6 +118,16 @@ class AttentionTransfer:
             return list(self.trained_blocks)
         share = min(step * len(self.trained_blocks) // max(total_steps, 1), len(self.trained_blocks) - 1)
         return [self.trained_blocks[share]]
+
+    def add_losses(self, sums: torch.Tensor, counts: torch.Tensor, blocks: Sequence[int], losses: torch.Tensor) -> None:
+        """Adds ``losses`` (len(blocks),) to the per-block ``sums`` and one to ``counts`` (both (depth,), on the
+        losses' device) through an index kept on that device: no copy from the host in a training step."""
+        key = (tuple(blocks), losses.device)
+        if key not in self._block_index:
+            self._block_index[key] = torch.tensor(blocks, device=losses.device)
+        index = self._block_index[key]
+        sums.index_add_(0, index, losses.detach().to(sums.dtype))
+        counts.index_add_(0, index, torch.ones_like(index, dtype=counts.dtype))
 
     def losses(self, images: torch.Tensor, blocks: Sequence[int] | None = None) -> torch.Tensor:
         """The MSE of each block of ``blocks`` (default: every block with something to train) between the
@@ -203,8 +214,8 @@ def linearize(
         raise ValueError("linearize: the loader yields no batches")
     history, step = [], 0
     for _ in range(epochs):
-        sums = torch.zeros(transfer.depth, dtype=torch.float64)
-        counts = torch.zeros(transfer.depth, dtype=torch.int64)
+        sums = torch.zeros(transfer.depth, dtype=torch.float64, device=device)
+        counts = torch.zeros(transfer.depth, dtype=torch.int64, device=device)
         for batch in batches:
             images = (batch[0] if isinstance(batch, (tuple, list)) else batch).to(device)
             blocks = transfer.blocks_at(step, total_steps)
@@ -212,8 +223,7 @@ def linearize(
             optimizer.zero_grad(set_to_none=True)
             losses.sum().backward()
             optimizer.step()
-            sums[blocks] += losses.detach().double().cpu()
-            counts[blocks] += 1
+            transfer.add_losses(sums, counts, blocks, losses)
             step += 1
         history.append([total / count if count else float("nan") for total, count in zip(sums.tolist(), counts.tolist())])
     return TransferResult(model=student, losses=history)

@@ -109,18 +109,17 @@ def transfer_epoch(run: Training, stage: TransferStage, epoch: int) -> float:
                     param.grad = accelerator.reduce(param.grad, reduction="mean")
         stage.optimizer.step()
         stage.optimizer.zero_grad(set_to_none=True)
-        sums[blocks] += losses.detach().double()
-        counts[blocks] += 1
+        stage.transfer.add_losses(sums, counts, blocks, losses)
         state["transfer_update"] += 1
         progress.update(1)
         last_batch = batch_index + 1 == len(loader)
         if time.perf_counter() - shown >= POSTFIX_SECONDS or last_batch:
-            _check_finite(run, sums, progress)
+            _check_finite(run, stage, sums, progress)
             progress.set_postfix(mse=f"{losses.detach().mean().item():.3g}", blocks=",".join(map(str, blocks)))
             shown = time.perf_counter()
         if config.save_every and state["transfer_update"] % config.save_every == 0 and not last_batch:
             train_time += time.perf_counter() - tick
-            _check_finite(run, sums, progress)
+            _check_finite(run, stage, sums, progress)
             state.update(transfer_batch=batch_index + 1, transfer_partial_time=train_time,
                          transfer_partial_sums=accelerator.reduce(sums, reduction="sum").tolist(),
                          transfer_partial_counts=accelerator.reduce(counts, reduction="sum").tolist())
@@ -178,10 +177,13 @@ def held_out_losses(run: Training, transfer: AttentionTransfer, loader: DataLoad
     return means
 
 
-def _check_finite(run: Training, sums: torch.Tensor, progress: tqdm) -> None:
-    if not torch.isfinite(sums).all():
+def _check_finite(run: Training, stage: TransferStage, sums: torch.Tensor, progress: tqdm) -> None:
+    """Refuses to go on (and so to save) when a transfer loss or a trained weight is not finite: an update with
+    finite losses can still overflow the weights."""
+    weights = torch.stack(torch._foreach_norm([param.detach() for param in stage.transfer.parameters()]))
+    if not (torch.isfinite(sums).all() and weights.isfinite().all()):
         progress.close()
         raise NonFiniteError(
             f"attention transfer update {run.state['transfer_update']} (transfer epoch {run.state['transfer_epoch'] + 1}): "
-            "the loss is not finite; nothing of it was saved. Lower --transfer-lr"
+            "the loss or the transferred weights are not finite; nothing of it was saved. Lower --transfer-lr"
         )
