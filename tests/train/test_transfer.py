@@ -113,3 +113,16 @@ def test_a_type_with_nothing_to_learn_stops_before_the_run_starts(runs, tmp_path
 def test_transfer_settings_are_checked(values, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         make_config(values)
+
+
+def test_resume_refuses_changed_transfer_settings(runs, tmp_path, capsys):
+    """The checkpoints hold the transfer stage's progress: --resume with other transfer settings is one line,
+    and the run directory is left as it was."""
+    _, whole = runs
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    before = sorted(p.relative_to(resumed) for p in resumed.rglob("*"))
+    assert train.main(["--run-dir", str(resumed), "--resume", "--transfer-lr", "0.5"]) != 0
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--resume cannot change the attention-transfer settings" in error and "transfer_lr: 0.01 -> 0.5" in error
+    assert sorted(p.relative_to(resumed) for p in resumed.rglob("*")) == before

@@ -140,6 +140,12 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, RunOptio
         config.mixed_precision, "mixed_precision" in from_flags, os.environ.get(LAUNCHER_PRECISION)
     )
     changes = [] if saved is None else changed_keys(saved, _as_built(config))
+    transfer_changes = [change for change in changes if change.startswith("transfer_")]
+    if transfer_changes:
+        raise ConfigError(
+            f"--resume cannot change the attention-transfer settings, whose progress the checkpoints hold "
+            f"({'; '.join(transfer_changes)}); start a new run (another --run-dir) instead"
+        )
     config.run_dir = str(run_dir)
     return config, dataclasses.replace(options, precision_note=note), changes
 
