@@ -3,9 +3,6 @@ device, out-of-memory handling, step-by-step ratios, attn="auto" by device), and
 CUDA in the tests marked ``cuda``, which skip without a GPU."""
 from __future__ import annotations
 
-import contextlib
-import csv
-import io
 import statistics
 import time
 from types import SimpleNamespace
@@ -14,6 +11,7 @@ import pytest
 import torch
 
 from visattn.bench import cli, timing
+from tests.bench.test_bench import _read_csv, _run
 from visattn.bench.memory import start_on_device
 from visattn.bench.ratios import rate_ratio
 from visattn.bench.runners import build_runner
@@ -228,18 +226,6 @@ def test_auto_uses_the_cuda_rule_on_cuda_and_the_cpu_thresholds_on_cpu(tmp_path,
 
 # ---------------------------------------------------------------------------------------------------
 # On a GPU
-
-
-def _run(argv: list[str]) -> str:
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        assert cli.main(argv) == 0
-    return stdout.getvalue()
-
-
-def _read_csv(path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.mark.cuda

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from visattn.layers import get_attention, list_attentions
+from visattn.layers.registry import attention_options
 from visattn.layers.cost import TokenLayout
 from visattn.models.shapes import MODEL_SHAPES, patch_grid
 
@@ -93,9 +94,7 @@ def cuda_choice(model_name: str, grid: tuple[int, int], gap: float = CUDA_EFFICI
     for name in list_attentions():
         if name in NOT_CHOSEN:
             continue
-        options = get_attention(name).type_options()
-        if "ref_grid" in options:
-            options["ref_grid"] = tuple(grid)
+        options = attention_options(name, {}, tuple(grid))
         flops[name] = get_attention(name).mixing_flops(layout, heads, head_dim, options)
     cheapest = min((n for n in flops if n != "softmax"), key=flops.get)
     return cheapest if gap * flops[cheapest] < flops["softmax"] else "softmax"
