@@ -1,0 +1,84 @@
+"""Every command the README and the documentation pages show, parsed by the program it calls: a flag renamed or a
+value no longer accepted fails here, even where running the command would take hours or a GPU (the README's
+quick starts also run, in tests/test_readme.py)."""
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from visattn.bench import cli as bench_cli
+from visattn.experiments import accuracy, resolution
+from visattn.predict import cli as predict_cli
+from visattn.train.cli import resolve_config
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# What a documented command may end with on this machine instead of parsing: no GPU, or a file the reader provides.
+EXPECTED_REFUSALS = ("--device must be cpu or an available cuda device",)
+# Commands shown to demonstrate an error.
+SHOWN_FAILING = {"--epochs two"}
+
+
+def _commands() -> list[tuple[str, str]]:
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", page.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words and words[0] in ("python", "accelerate", "visattn-bench", "visattn-predict", "make"):
+                    found.append((page.name, " ".join(shlex.quote(w) for w in words)))
+    return sorted(set(found))
+
+
+COMMANDS = _commands()
+
+
+def _train_args(words: list[str]) -> list[str]:
+    return words[words.index("train.py") + 1:]
+
+
+def _parse(words: list[str]) -> None:
+    """Parse ``words`` as the program it names does, without running it."""
+    if words[0] == "make":
+        subprocess.run(["make", "-n", *words[1:]], cwd=REPO, check=True, capture_output=True)
+    elif "train.py" in words:
+        resolve_config(_train_args(words))
+    elif words[0] == "visattn-bench":
+        if words[1:2] == [bench_cli.MAX_TOKENS]:
+            bench_cli.parse_max_tokens_args(words[2:])
+        else:
+            bench_cli._parse(words[1:])
+    elif words[0] == "visattn-predict":
+        predict_cli.build_parser().parse_args(words[1:])
+    elif words[:3] == ["python", "-m", "visattn.experiments.accuracy"]:
+        accuracy.parse_args(words[3:])
+    elif words[:3] == ["python", "-m", "visattn.experiments.resolution"]:
+        resolution.parse_args(words[3:])
+    elif words[0] == "python" and words[1].startswith("scripts/"):
+        assert (REPO / words[1]).is_file(), f"{words[1]} does not exist"
+    else:
+        pytest.fail(f"no parser for {' '.join(words)}")
+
+
+def test_the_pages_show_commands():
+    assert len(COMMANDS) >= 40
+    assert {page for page, _ in COMMANDS} >= {"README.md", "training.md", "benchmark.md", "fine-tuning.md"}
+
+
+@pytest.mark.parametrize("page, command", COMMANDS, ids=[f"{p}:{c[:60]}" for p, c in COMMANDS])
+def test_documented_command_parses(page, command, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    words = shlex.split(command)
+    if any(shown in command for shown in SHOWN_FAILING):
+        with pytest.raises((SystemExit, ValueError)):
+            _parse(words)
+        return
+    try:
+        _parse(words)
+    except SystemExit as exit_:
+        error = capsys.readouterr().err
+        assert exit_.code == 0 or any(refusal in error for refusal in EXPECTED_REFUSALS), f"{page}: {command}\n{error}"
