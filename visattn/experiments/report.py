@@ -84,7 +84,8 @@ def accuracy_markdown(results: list[RowResult], runs: list[Run], recipe: TrainCo
         f"{', '.join(str(seed) for seed in sorted({run.seed for run in runs}))}. Test accuracy of the weights chosen on "
         "validation; images/s over the training steps and seconds per epoch (training and validation), each from "
         f"the run's own records, and peak memory ({memory}): medians over the seeds. Speed-up: images/s over "
-        "the timm row's (timm's own Attention in the same ViT)."
+        "the timm row's (timm's own Attention in the same ViT), from runs that may have shared the machine with "
+        "the grid's other runs: how fast a type trains is the benchmark's figure (visattn-bench), not this column's."
     )
     return "\n".join(lines) + "\n\n" + note + "\n"
 
