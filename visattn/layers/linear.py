@@ -186,7 +186,7 @@ class LinearAttention(GridAttention):
         kernel = options["dwconv_kernel"]
         if kernel:
             flops += 2 * layout.num_patches * c * kernel**2
-        if options["feature_map"] == LEARNED_FEATURE_MAP:
+        if options.get("feature_map") == LEARNED_FEATURE_MAP:
             flops += LearnedFeatureMap.flops(n, num_heads, head_dim)
         return flops
 
@@ -211,7 +211,7 @@ class LinearAttention(GridAttention):
         if options["dwconv_kernel"]:
             infer += 3 * layout.num_patches * c * act_bytes
             train += 2 * layout.num_patches * c * act_bytes
-        if options["feature_map"] == LEARNED_FEATURE_MAP:
+        if options.get("feature_map") == LEARNED_FEATURE_MAP:
             infer += 2 * n * c * act_bytes
             train += 2 * n * c * act_bytes
         return MixingMemory(infer=infer, train=train)
