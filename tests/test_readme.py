@@ -141,8 +141,8 @@ STARTS = {
         "{python} train.py --config configs/linearize.yaml --initial-checkpoint {run} --transfer-epochs 1 "
         f"{SHORT_TRAINING} --run-dir {{tmp}}/linearize",
     "visattn-predict runs/digits-axial /tmp/digits_png/3 --top-k 3": "{python} -m visattn.predict {run} {images}/3 --top-k 3",
-    "visattn-predict runs/digits-axial /tmp/digits_png/3 --tile 16 --tile-overlap 4":
-        "{python} -m visattn.predict {run} {images}/3 --tile 16 --tile-overlap 4",
+    "visattn-predict runs/digits-axial /tmp/digits_png/3 --tile 8 --tile-overlap 2":
+        "{python} -m visattn.predict {run} {images}/3 --tile 8 --tile-overlap 2",
     "accelerate launch --mixed_precision bf16 train.py --dataset cluttered-digits --img-size 1024 "
     "--model vit_small_patch16_224 --attn linear --batch-size 32 --epochs 4 --measure-loader 8":
         "{accelerate} launch -q --num_processes 1 --num_machines 1 --mixed_precision bf16 --dynamo_backend no train.py "
