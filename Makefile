@@ -40,4 +40,4 @@ device-check:
 
 # The documentation site into site/, warnings as errors (the configuration page is generated from TrainConfig).
 docs: $(VENV)/.installed-docs
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
