@@ -107,7 +107,7 @@ def test_cluttered_digits_splits_draw_on_disjoint_source_digits():
     assert len(np.unique(np.concatenate(list(pools.values())))) == 1797
     options = small("cluttered-digits")
     for split in SPLITS:
-        assert np.isin(draw("cluttered-digits", options, split)["placement"][:, 2], pools[split]).all()
+        assert np.isin(draw("cluttered-digits", options, split)["placement"][:, 3], pools[split]).all()
         assert set(labels[pools[split]]) == set(range(10))
 
 
@@ -244,8 +244,8 @@ def test_the_placed_digit_is_the_label_and_its_core_is_untouched():
     images, labels, _ = cd.source_digits(options.digit_size)
     arrays = draw("cluttered-digits", options, "test")
     margin, size = options.clutter_size // 2, options.digit_size
-    for canvas, label, (top, left, source) in zip(arrays["images"], arrays["labels"], arrays["placement"]):
-        assert labels[source] == label
+    for canvas, label, (top, left, side, source) in zip(arrays["images"], arrays["labels"], arrays["placement"]):
+        assert labels[source] == label and side == size
         digit = images[source]
         box = canvas[top:top + size, left:left + size]
         assert (box >= digit).all(), "clutter may add ink around the digit but never hides it"
@@ -264,6 +264,89 @@ def test_the_digit_core_matches_no_other_source_digit():
     m, s = options.clutter_size // 2, options.digit_size
     core = canvas[where.top + m:where.top + s - m, where.left + m:where.left + s - m]
     assert not np.array_equal(core, images[other][m:s - m, m:s - m])
+
+
+# Canvases drawn before digit_size_max and placements existed, as SHA-256 (first 32 hex digits) over the
+# images, labels and (top, left, source digit) of samples 0, 1, 7, 123 and 3999: the defaults draw them still.
+CANVASES_BEFORE_THE_VARIANT_OPTIONS = [
+    ({}, (128, 128), "train", "5bfadec5411b90deee6720de14951392"),
+    (dict(train_size=4000, val_size=1000, test_size=1000, clutter_size=8), (128, 128), "train",
+     "a0090b108ae654374e83544d4726218c"),  # configs/cluttered-digits-curriculum.yaml
+    (dict(train_size=4000, val_size=1000, test_size=1000, clutter_size=8), (128, 128), "test",
+     "d81f8b4b511f5ff45ee977f82e55faac"),
+    (dict(seed=3, digit_size=20, clutter_size=10, clutter_count=5), (64, 96), "val",
+     "6540f8c9bf4e27fdac4eccf64d9fb850"),
+]
+
+
+@pytest.mark.parametrize("values, hw, split, expected", CANVASES_BEFORE_THE_VARIANT_OPTIONS)
+def test_the_variant_options_left_at_zero_draw_the_canvases_drawn_before_they_existed(values, hw, split, expected):
+    options = cd.ClutteredDigitsOptions(**values)
+    assert (options.digit_size_max, options.placements) == (0, 0)
+    arrays = cd.generate(options, hw, split, np.array([0, 1, 7, 123, 3999]))
+    where = arrays["placement"]
+    assert (where[:, 2] == options.digit_size).all()
+    digest = hashlib.sha256()
+    for array in (arrays["images"], arrays["labels"], where[:, 0], where[:, 1], where[:, 3]):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    assert digest.hexdigest()[:32] == expected
+
+
+def test_digit_size_max_draws_each_canvas_s_side_and_keeps_its_core_untouched():
+    options = small("cluttered-digits", digit_size=12, digit_size_max=20, clutter_size=8, train_size=60)
+    arrays = draw("cluttered-digits", options)
+    sides = arrays["placement"][:, 2]
+    assert sides.min() >= 12 and sides.max() <= 20 and len(np.unique(sides)) >= 5
+    _, labels, _ = cd.source_digits(12)
+    margin = options.clutter_size // 2
+    for canvas, label, (top, left, side, source) in zip(arrays["images"], arrays["labels"], arrays["placement"]):
+        digit = cd.source_digits(int(side))[0][source]
+        box = canvas[top:top + side, left:left + side]
+        assert labels[source] == label and (box >= digit).all()
+        core = np.s_[margin:side - margin, margin:side - margin]
+        assert np.array_equal(box[core], digit[core])
+
+
+def test_clutter_is_cut_from_digits_of_the_canvas_s_own_side(monkeypatch):
+    """Every digit of side s made a flat square of value s: a canvas then shows its digit's side and nothing else."""
+    real = cd.source_digits
+
+    def flat_digits(digit_size):
+        images, labels, pools = real(digit_size)
+        return np.full_like(images, digit_size), labels, pools
+
+    monkeypatch.setattr(cd, "source_digits", flat_digits)
+    options = small("cluttered-digits", digit_size=12, digit_size_max=20, clutter_size=8)
+    for index in range(20):
+        canvas, _, where = cd.draw(options, CD_HW, "train", index)
+        assert set(np.unique(canvas)) == {0, where.size}, index
+
+
+def test_placements_show_each_training_digit_on_that_many_canvases_and_leave_val_and_test_alone():
+    options = small("cluttered-digits", train_size=60, placements=3)
+    arrays = draw("cluttered-digits", options)
+    _, labels, pools = cd.source_digits(options.digit_size)
+    sources, counts = np.unique(arrays["placement"][:, 3], return_counts=True)
+    assert len(sources) == 60 // 3 and (counts == 3).all()
+    assert np.isin(sources, pools["train"]).all()
+    assert np.array_equal(labels[arrays["placement"][:, 3]], arrays["labels"])
+    assert np.array_equal(np.bincount(labels[sources], minlength=10), np.full(10, 2))  # balanced over the classes
+    for source in sources:  # the same digit at places of its own
+        corners = arrays["placement"][arrays["placement"][:, 3] == source][:, :2]
+        assert len({tuple(corner) for corner in corners}) == 3
+    unplaced = small("cluttered-digits", train_size=60)
+    assert len(np.unique(draw("cluttered-digits", unplaced)["placement"][:, 3])) > 20
+    for split in ("val", "test"):
+        placed_images = draw("cluttered-digits", options, split)["images"]
+        assert placed_images.tobytes() == draw("cluttered-digits", unplaced, split)["images"].tobytes()
+    other_seed = draw("cluttered-digits", small("cluttered-digits", train_size=60, placements=3, seed=1))
+    assert set(np.unique(other_seed["placement"][:, 3])) != set(sources)
+
+
+def test_placements_round_up_per_class_when_the_split_is_no_multiple_of_ten_placements():
+    assert [cd.canvases_of_class(25, label) for label in range(10)] == [3] * 5 + [2] * 5
+    options = small("cluttered-digits", train_size=25, placements=2)
+    assert [len(digits) for digits in cd.training_sources(options)] == [2] * 5 + [1] * 5
 
 
 # -- cache -----------------------------------------------------------------------------------------
@@ -308,6 +391,10 @@ def test_the_cache_key_covers_every_option_the_size_the_split_and_the_version():
         store.cache_key(dataclasses.replace(task, version=task.version + 1), options, PF_HW, "train"),
     ]
     assert len({key, *others}) == len(others) + 1
+    task, options = TASKS["cluttered-digits"], small("cluttered-digits")
+    keys = {store.cache_key(task, dataclasses.replace(options, **{field.name: 40}), CD_HW, "train")
+            for field in dataclasses.fields(options)}
+    assert len({store.cache_key(task, options, CD_HW, "train"), *keys}) == len(dataclasses.fields(options)) + 1
 
 
 # -- selection by the training config ------------------------------------------------------------
@@ -347,6 +434,17 @@ def test_load_splits_serves_a_generated_dataset(tmp_path):
         ({"dataset": "cluttered-digits", "img_size": 32}, "^img_size: a 32x32 canvas leaves no room"),
         ({"dataset": "cluttered-digits", "img_size": 128, "dataset_kwargs": {"clutter_size": 40}},
          "clutter_size: must be in \\[1, digit_size 32\\]"),
+        ({"dataset": "cluttered-digits", "img_size": 128, "dataset_kwargs": {"digit_size_max": 20}},
+         "^dataset_kwargs: cluttered-digits option digit_size_max: must be 0 \\(every digit digit_size px\\) or "
+         ">= digit_size 32, got 20$"),
+        ({"dataset": "cluttered-digits", "img_size": 64, "dataset_kwargs": {"digit_size_max": 56}},
+         "^img_size: a 64x64 canvas leaves no room for 14 px clutter around a 56 px digit"),
+        ({"dataset": "cluttered-digits", "img_size": 128, "dataset_kwargs": {"placements": -1}},
+         "^dataset_kwargs: cluttered-digits option placements: must be >= 0 \\(0: a digit drawn for each canvas\\), "
+         "got -1$"),
+        ({"dataset": "cluttered-digits", "img_size": 128, "dataset_kwargs": {"placements": 2}},
+         "^dataset_kwargs: cluttered-digits option placements: 2 canvases per digit over train_size 10000 need 500 "
+         "training digits of class 0, the training pool holds 107; raise placements or lower train_size$"),
         ({"dataset": "digits", "dataset_kwargs": {"level": "easy"}}, "dataset 'digits' takes no options"),
     ],
 )

@@ -10,12 +10,21 @@ and ``clutter_count`` square pieces of side ``clutter_size`` cut from other digi
 a pixel-wise maximum, and no piece comes closer to the digit's centre than half a piece outside its
 box: the digit's core, its box shrunk by ``clutter_size // 2`` on each side, is the digit alone.
 
+Two options make variants of the task for judging a recipe on data it was not tuned on. With
+``digit_size_max`` each canvas draws its digit's side from [``digit_size``, ``digit_size_max``] and cuts its
+clutter from digits of that same side, so that stroke width never tells the target from the clutter. With
+``placements`` k the training split shows few distinct target digits, each on k canvases; validation and
+test are drawn as without it, so they measure the same thing for every k. Left at 0, both draw nothing
+from a canvas's generator: the canvases are those drawn before the options existed.
+
 Classes are balanced: sample ``index`` shows digit ``index % 10``. Pure NumPy and Pillow, no torch;
-sample ``index`` of ``split`` is fixed by ``(seed, split, index)`` alone.
+sample ``index`` of ``split`` is fixed by ``(seed, split, index)`` alone (and, with ``placements``, by the
+training digits chosen once per dataset seed).
 """
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +32,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from visattn.train.generated.common import SPLITS, SplitSizes, Task, sample_rng
+from visattn.train.generated.common import SPLITS, SplitSizes, Task, sample_rng, split_rng
 
 REFERENCE_AREA = 128 * 128  # clutter_count defaults to CLUTTER_PER_REFERENCE_AREA pieces per this many pixels
 CLUTTER_PER_REFERENCE_AREA = 16
@@ -36,12 +45,25 @@ _MIN_INK = 0.2  # a piece is the first of _CROP_TRIES random crops at least this
 class ClutteredDigitsOptions(SplitSizes):
     """``--dataset cluttered-digits`` options (``--dataset-kwargs digit_size=28 clutter_count=16``).
 
-    clutter_count 0 means the default density: 16 pieces per 128x128 px of canvas.
+    digit_size: the target digit's side in px (the 8x8 scans upscaled), at least 8.
+    digit_size_max: 0, every digit is ``digit_size`` px; else each canvas draws its digit's side uniformly
+        from [digit_size, digit_size_max], and its clutter pieces are cut from digits of that side too. The
+        canvas must hold a ``digit_size_max`` digit with ``clutter_size`` px around it.
+    clutter_size: the side of each square clutter piece in px, 1 to ``digit_size`` (a piece is cut from a
+        digit, the smallest one included).
+    clutter_count: pieces per canvas; 0, the default density: 16 pieces per 128x128 px of canvas.
+    placements: 0, each canvas draws its target digit at random from its split's pool; k > 0, the training
+        split shows only ceil(n_c / k) digits of each class c (n_c: its canvases of that class; ceil(train_size
+        / k) in all when train_size is a multiple of 10k), chosen from the training pool by ``seed``, each on
+        k canvases at positions of their own: the smaller the training set's variety, the larger k. Clutter
+        is still cut from the whole pool, and validation and test are drawn as with 0.
     """
 
     digit_size: int = 32
+    digit_size_max: int = 0
     clutter_size: int = 14
     clutter_count: int = 0
+    placements: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +76,7 @@ class Placement:
     source: int
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=64)  # a split with digit_size_max draws at every side in its range
 def source_digits(digit_size: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """(1797, S, S) uint8 upscaled digits, (1797,) labels, and the indices of each split's pool."""
     digits = load_digits()
@@ -68,6 +90,25 @@ def source_digits(digit_size: int) -> tuple[np.ndarray, np.ndarray, dict[str, np
     val, test = train_test_split(rest, test_size=0.5, stratify=digits.target[rest], random_state=_POOL_SEED)
     pools = {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
     return images, digits.target.astype(np.int64), pools
+
+
+def canvases_of_class(split_size: int, label: int) -> int:
+    """How many of a split's canvases show ``label``: sample ``index`` shows ``index % 10``."""
+    return len(range(label, split_size, 10))
+
+
+@functools.lru_cache(maxsize=4)
+def training_sources(options: ClutteredDigitsOptions) -> tuple[np.ndarray, ...]:
+    """With ``placements`` k: per class, the training digits the training split shows, in the order its
+    canvases of that class take them (each k canvases in a row), drawn once from the dataset seed."""
+    _, labels, pools = source_digits(options.digit_size)
+    pool = pools["train"]
+    rng = split_rng(options.seed, "train")
+    return tuple(
+        rng.choice(pool[labels[pool] == label], replace=False,
+                   size=math.ceil(canvases_of_class(options.train_size, label) / options.placements))
+        for label in range(10)
+    )
 
 
 def clutter_count(options: ClutteredDigitsOptions, image_hw: tuple[int, int]) -> int:
@@ -84,15 +125,37 @@ def check_options(options: ClutteredDigitsOptions, image_hw: tuple[int, int]) ->
             f"dataset_kwargs: cluttered-digits option clutter_size: must be in [1, digit_size {options.digit_size}], "
             f"got {options.clutter_size}"
         )
+    if options.digit_size_max != 0 and options.digit_size_max < options.digit_size:
+        raise ValueError(
+            f"dataset_kwargs: cluttered-digits option digit_size_max: must be 0 (every digit digit_size px) or "
+            f">= digit_size {options.digit_size}, got {options.digit_size_max}"
+        )
     if options.clutter_count < 0:
         raise ValueError(
             f"dataset_kwargs: cluttered-digits option clutter_count: must be >= 0 (0: the default density), "
             f"got {options.clutter_count}"
         )
-    if min(image_hw) < options.digit_size + options.clutter_size:
+    if options.placements < 0:
+        raise ValueError(
+            f"dataset_kwargs: cluttered-digits option placements: must be >= 0 (0: a digit drawn for each canvas), "
+            f"got {options.placements}"
+        )
+    if options.placements:
+        _, labels, pools = source_digits(options.digit_size)
+        held = np.bincount(labels[pools["train"]], minlength=10)
+        for label in range(10):
+            needed = math.ceil(canvases_of_class(options.train_size, label) / options.placements)
+            if needed > held[label]:
+                raise ValueError(
+                    f"dataset_kwargs: cluttered-digits option placements: {options.placements} canvases per digit "
+                    f"over train_size {options.train_size} need {needed} training digits of class {label}, the "
+                    f"training pool holds {held[label]}; raise placements or lower train_size"
+                )
+    largest = options.digit_size_max or options.digit_size
+    if min(image_hw) < largest + options.clutter_size:
         raise ValueError(
             f"img_size: a {image_hw[0]}x{image_hw[1]} canvas leaves no room for {options.clutter_size} px clutter "
-            f"around a {options.digit_size} px digit (the recipe, configs/cluttered-digits.yaml, draws 128 px canvases)"
+            f"around a {largest} px digit (the recipe, configs/cluttered-digits.yaml, draws 128 px canvases)"
         )
 
 
@@ -115,12 +178,20 @@ def _clutter_positions(rng: np.random.Generator, count: int, image_hw: tuple[int
 
 def draw(options: ClutteredDigitsOptions, image_hw: tuple[int, int], split: str, index: int) -> tuple[np.ndarray, int, Placement]:
     """Sample ``index`` of ``split``: (H, W) uint8 canvas, its label, and where the digit went."""
-    images, labels, pools = source_digits(options.digit_size)
+    _, labels, pools = source_digits(options.digit_size)
     pool = pools[split]
     rng = sample_rng(options.seed, split, index)
     label = index % 10
-    source = int(rng.choice(pool[labels[pool] == label]))
-    size, piece = options.digit_size, options.clutter_size
+    # Each option left at 0 draws nothing from rng: the canvases are those drawn before it existed.
+    if options.placements and split == "train":
+        source = int(training_sources(options)[label][index // 10 // options.placements])
+    else:
+        source = int(rng.choice(pool[labels[pool] == label]))
+    size = options.digit_size
+    if options.digit_size_max:
+        size = int(rng.integers(options.digit_size, options.digit_size_max + 1))
+    images = source_digits(size)[0]
+    piece = options.clutter_size
     top, left = (int(v) for v in rng.integers(0, np.array(image_hw) - size + 1))
     count = clutter_count(options, image_hw)
 
@@ -144,15 +215,15 @@ def draw(options: ClutteredDigitsOptions, image_hw: tuple[int, int], split: str,
 
 def generate(options: ClutteredDigitsOptions, image_hw: tuple[int, int], split: str,
              indices: np.ndarray) -> dict[str, np.ndarray]:
-    """images (n, H, W) uint8, labels (n,) int64, placement (n, 3) int32 (top, left, source digit index)."""
+    """images (n, H, W) uint8, labels (n,) int64, placement (n, 4) int32 (top, left, side, source digit index)."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
     images = np.empty((len(indices), *image_hw), dtype=np.uint8)
     labels = np.empty(len(indices), dtype=np.int64)
-    placement = np.empty((len(indices), 3), dtype=np.int32)
+    placement = np.empty((len(indices), 4), dtype=np.int32)
     for row, index in enumerate(indices.tolist()):
         images[row], labels[row], where = draw(options, image_hw, split, index)
-        placement[row] = where.top, where.left, where.source
+        placement[row] = where.top, where.left, where.size, where.source
     return {"images": images, "labels": labels, "placement": placement}
 
 

@@ -2,7 +2,8 @@
 
 A task draws sample ``index`` of ``split`` from its own generator,
 ``np.random.default_rng([seed, SPLITS.index(split), index])``, so a sample does not depend on which
-process made it, in what order, or how many samples were made before it.
+process made it, in what order, or how many samples were made before it. A choice made once for a whole
+split draws from :func:`split_rng`, a generator independent of every sample's.
 """
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ SPLITS = ("train", "val", "test")
 def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
     """The generator of sample ``index`` of ``split``: fixed by the three numbers alone."""
     return np.random.default_rng([seed, SPLITS.index(split), index])
+
+
+def split_rng(seed: int, split: str) -> np.random.Generator:
+    """The generator of choices made once for a whole split: fixed by ``seed`` and ``split``, and (a spawn key
+    of its own) independent of every sample's generator."""
+    return np.random.default_rng(np.random.SeedSequence([seed, SPLITS.index(split)], spawn_key=(0,)))
 
 
 @dataclass(frozen=True)
