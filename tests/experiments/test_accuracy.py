@@ -62,8 +62,10 @@ def synthetic_run(row: str, seed: int, test_acc: float | None, images_per_s: flo
                   val_accs: tuple[float, ...] = (0.5, 0.7)) -> plan.Run:
     run = plan.Run(plan.parse_rows([row])[0], seed, Path("runs") / row / f"seed{seed}", argv=[], status=status)
     if status == "finished":
+        run.num_classes = 10
         run.history = [
-            dict(epoch=epoch, val_acc=acc, train_time_s=10.0 * epoch, eval_time_s=1.0, train_images=1000)
+            dict(epoch=epoch, val_acc=acc, val_samples=1000, train_time_s=10.0 * epoch, eval_time_s=1.0,
+                 train_images=1000)
             for epoch, acc in enumerate(val_accs, start=1)
         ]
         run.summary = dict(test_acc=test_acc, best_acc=max(val_accs), best_epoch=2, epochs=len(val_accs),
@@ -74,7 +76,8 @@ def synthetic_run(row: str, seed: int, test_acc: float | None, images_per_s: flo
 
 def synthetic_runs() -> list[plan.Run]:
     return [
-        synthetic_run("timm", 0, 0.90, images_per_s=50), synthetic_run("timm", 1, 0.94, images_per_s=60),
+        synthetic_run("timm", 0, 0.90, images_per_s=50),
+        synthetic_run("timm", 1, 0.94, images_per_s=60, val_accs=(0.1, 0.7)),  # its first epoch at chance
         synthetic_run("timm", 2, 0.93, images_per_s=40),
         synthetic_run("linear", 0, 0.91, images_per_s=100), synthetic_run("linear", 1, 0.89, images_per_s=120),
         synthetic_run("linear", 2, None, status="out of memory"),
@@ -110,15 +113,18 @@ def test_markdown_has_every_column_and_the_speedup_over_timm():
     text = report.accuracy_markdown(results, runs, recipe(), "python -m visattn.experiments.accuracy --seeds 0 1 2")
     lines = text.splitlines()
     assert lines[0] == (
-        "| attention | test accuracy, median [min–max] (seeds) | train images/s | s per epoch | peak memory (MiB) | "
-        "speed-up over timm | runs at 1,024 tokens |"
+        "| attention | test accuracy, median [min–max] (seeds) | epochs at chance | train images/s | s per epoch | "
+        "peak memory (MiB) | speed-up over timm | runs at 1,024 tokens |"
     )
-    assert lines[2] == "| timm | 93.00% [90.00–94.00] (3) | 50.0 | 16.0 | 1,001 | 1.00× | yes |"
-    assert lines[3] == "| linear | 90.00% [89.00–91.00] (2) | 110 | 16.0 | 1,000 | 2.20× | no: out of memory |"
-    assert lines[4] == f"| axial | 80.00% (1) | 75.0 | 16.0 | 1,000 | 1.50× | failed (see `{Path('runs/axial/seed1.log')}`) |"
-    assert lines[5] == "| floor | — | — | — | — | — | not run yet |"
+    assert lines[2] == "| timm | 93.00% [90.00–94.00] (3) | 0 [0–1] | 50.0 | 16.0 | 1,001 | 1.00× | yes |"
+    assert lines[3] == "| linear | 90.00% [89.00–91.00] (2) | 0 | 110 | 16.0 | 1,000 | 2.20× | no: out of memory |"
+    assert lines[4] == (
+        f"| axial | 80.00% (1) | 0 | 75.0 | 16.0 | 1,000 | 1.50× | failed (see `{Path('runs/axial/seed1.log')}`) |"
+    )
+    assert lines[5] == "| floor | — | — | — | — | — | — | not run yet |"
     assert "`python -m visattn.experiments.accuracy --seeds 0 1 2`: cluttered-digits at 128×128 px, patch 4 (32×32 grid" in text
     assert "seeds 0, 1, 2" in text and "peak resident set" in text
+    assert "epochs at chance: the leading epochs of the first stage whose validation accuracy is below" in text
 
 
 def test_outputs_are_a_table_a_png_and_every_run_as_json_and_csv(tmp_path):
@@ -137,6 +143,8 @@ def test_outputs_are_a_table_a_png_and_every_run_as_json_and_csv(tmp_path):
         rows = list(csv.DictReader(handle))
     assert [row["row"] for row in rows] == [run.row.text for run in runs]
     assert rows[0]["test_acc"] == "0.9" and rows[0]["epoch_time_s"] == "16.0" and rows[5]["status"] == "out of memory"
+    assert [row["epochs_at_chance"] for row in rows[:3]] == ["0", "1", "0"] and rows[5]["epochs_at_chance"] == ""
+    assert [r["epochs_at_chance"] for r in saved[:3]] == [0, 1, 0] and saved[0]["variant"] is None
 
 
 @pytest.mark.parametrize(
@@ -170,15 +178,19 @@ def planned(tmp_path: Path, *extra: str) -> tuple[object, list[str], list[plan.R
     return args, train_args, plan.plan(accuracy.grid(args, train_args))
 
 
-def finish(run: plan.Run, test_acc: float, config=None) -> None:
-    """Leave ``run`` as train.py leaves a finished run: its config, per-epoch records and summary."""
+def finish(run: plan.Run, test_acc: float, config=None, val_accs: tuple[float, ...] = (0.5,),
+           wall_time_s: float = 3.0) -> None:
+    """Leave ``run`` as train.py leaves a finished run: its config, model file, per-epoch records and summary."""
     run.run_dir.mkdir(parents=True)
     (run.run_dir / "config.yaml").write_text(config_yaml(config or plan.expected_config(run.argv)))
-    record = dict(epoch=1, val_acc=0.5, train_time_s=2.0, eval_time_s=0.5, train_images=96)
-    (run.run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    model_file = dict(model="visattn_vit_tiny_patch16", kwargs=dict(num_classes=10))
+    (run.run_dir / "model.json").write_text(json.dumps(model_file))
+    records = [dict(epoch=epoch, val_acc=acc, val_samples=50, train_time_s=2.0, eval_time_s=0.5, train_images=96)
+               for epoch, acc in enumerate(val_accs, start=1)]
+    (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     (run.run_dir / "summary.json").write_text(json.dumps(
-        dict(test_acc=test_acc, best_acc=0.5, best_epoch=1, epochs=1, images_per_s=48.0, peak_mem_mib=800.0,
-             mem_kind="cpu_peak_rss", wall_time_s=3.0)
+        dict(test_acc=test_acc, best_acc=max(val_accs), best_epoch=1, epochs=len(val_accs), images_per_s=48.0,
+             peak_mem_mib=800.0, mem_kind="cpu_peak_rss", wall_time_s=wall_time_s)
     ))
 
 
@@ -192,7 +204,7 @@ def test_finished_runs_of_the_same_config_are_reused_not_retrained(tmp_path, mon
     assert accuracy.main(argv) == 0
     assert "4 runs: 4 finished before, 0 to train" in capsys.readouterr().out
     text = (tmp_path / "table.md").read_text()
-    assert "| timm | 51.00% [50.00–52.00] (2) | 48.0 | 2.5 | 800 | 1.00× | yes |" in text  # runs seed by seed
+    assert "| timm | 51.00% [50.00–52.00] (2) | 0 | 48.0 | 2.5 | 800 | 1.00× | yes |" in text  # runs seed by seed
     assert "| floor | 52.00% [51.00–53.00] (2) |" in text
 
 
@@ -373,7 +385,7 @@ def test_a_failed_stage_stops_the_stages_after_it_and_names_its_log(tmp_path, mo
     text = (tmp_path / "table.md").read_text()
     assert "--stage '--img-size 8 --epochs 2' --stage '--epochs 1' -- " in text  # the command, as a shell reads it
     log = tmp_path / "runs" / "floor" / f"seed0-stage{failing}.log"
-    assert f"| floor | — | — | — | — | — | failed (see `{log}`) |" in text
+    assert f"| floor | — | — | — | — | — | — | failed (see `{log}`) |" in text
 
 
 def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tmp_path, monkeypatch, capsys):
@@ -407,7 +419,8 @@ def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tm
     assert "floor seed 0: not started, its stage 1 failed" in capsys.readouterr().out
     text = (tmp_path / "table.md").read_text()
     assert "| timm | 75.00% [75.00–75.00] (2) |" in text  # the second stage's accuracy
-    assert f"| floor | — | — | — | — | — | failed (see `{tmp_path / 'runs' / 'floor' / 'seed0-stage1.log'}`) |" in text
+    log = tmp_path / "runs" / "floor" / "seed0-stage1.log"
+    assert f"| floor | — | — | — | — | — | — | failed (see `{log}`) |" in text
     assert "1 epoch, after a first stage of 2 epochs at 8×8 px (2×2 grid) whose weights it starts from" in text
     with open(tmp_path / "table.csv") as handle:
         records = list(csv.DictReader(handle))
@@ -492,5 +505,6 @@ def test_a_first_stage_out_of_memory_names_its_log():
     run.previous.run_dir, run.previous.stage, run.previous.last, run.stage = Path("runs/axial/seed0-stage1"), 1, False, 2
     results = summarise.summarize_rows(plan.parse_rows(["axial"]), [run])
     assert report.accuracy_markdown(results, [run], recipe(), "c").splitlines()[2] == (
-        f"| axial | — | — | — | — | — | no: out of memory in stage 1 (see `{Path('runs/axial/seed0-stage1.log')}`) |"
+        f"| axial | — | — | — | — | — | — | no: out of memory in stage 1 "
+        f"(see `{Path('runs/axial/seed0-stage1.log')}`) |"
     )

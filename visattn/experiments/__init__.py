@@ -1,12 +1,15 @@
 """Grids of training runs behind the published tables (``docs/tables/``): plan them, train or resume them as
 ``train.py`` processes, read what they left, and write the tables.
 
-    plan.py         rows (attention types with options), seeds and curriculum stages -> train.py's flags per run
+    plan.py         rows (attention types with options), seeds, curriculum stages and variants of the data ->
+                    train.py's flags per run
+    variants.py     named variants of the cluttered digits: the tuning ones and the held-out ones
     execute.py      reuse, resume or train each run in its own train.py process; the time left
-    summarise.py    a finished run's summary and per-epoch records; a row summed up over its seeds
+    summarise.py    a finished run's summary and per-epoch records, its epochs at chance; a row summed up over
+                    its seeds
     stages.py       the first stages of a curriculum table, or runs named by path, each with its second stage
     larger_size.py  a model trained at one size tested at a larger one: upsampled, whole, tiled, best tile
-    report.py       the tables as markdown, CSV and JSON
+    report.py       the tables as markdown, CSV and JSON; the summary over variants
     plot.py         the accuracy table's figure
     accuracy.py     ``python -m visattn.experiments.accuracy``: train a grid and tabulate it
     resolution.py   ``python -m visattn.experiments.resolution``: test a table's first stages at a larger size

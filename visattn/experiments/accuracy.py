@@ -14,6 +14,8 @@
         --stage "--epochs 10 --dataset-kwargs level=easy $D" \\
         --stage "--epochs 10 --dataset-kwargs level=intermediate $D" \\
         -- --img-size 64 --patch-size 8                                  # a ladder of easier tasks, then hard
+    python -m visattn.experiments.accuracy --config configs/cluttered-digits-curriculum.yaml \\
+        --stage "--img-size 64 --epochs 4" --variants tuning --output tables/tuning.md   # on other data
 
 Rows (``--attn``): attention types of ``visattn.list_attentions()`` and ``timm``, timm's own Attention in a
 stock timm ViT of the same shape (``train.py --attn timm``), the reference of the speed-up column; by
@@ -30,6 +32,12 @@ options; a generated dataset is drawn afresh at each stage's size and options) i
 recipe itself into ``seed<k>`` from the last stage's (``--initial-checkpoint``, which resamples the position
 embedding to the new grid; a ``--initial-checkpoint`` after ``--`` starts the first stage).
 
+Variants of the data (``--variants NAME [NAME ...]``, each word a variant of ``visattn/experiments/variants.py``
+or a group of them, ``tuning`` or ``held-out``): every run above once per variant, into
+``<run-root>/<variant>/<row>/seed<k>``, the variant's dataset options laid over the recipe's in every stage (a
+``--dataset-kwargs`` in a ``--stage`` or after ``--`` is refused: the variant sets the data). Every recipe
+decision is made on the tuning variants and reported on the held-out ones.
+
 A run whose ``summary.json`` is there and whose saved ``config.yaml`` is the config this command would train
 is reused, not retrained; one with that config and a checkpoint but no summary (an invocation that was
 stopped) is resumed; any other is trained afresh (``--retrain``: every run). A stage started before the stage
@@ -40,12 +48,17 @@ the runs left.
 Written after every run (``--output NAME.md``): the markdown table; ``NAME.png``, test accuracy per row with
 its range over the seeds, and the validation accuracy of every epoch per row; ``NAME.json`` and ``NAME.csv``,
 every run with its summary (the JSON also with its per-epoch records). Columns: test accuracy of the weights
-chosen on validation (median [min-max] over the seeds that finished, and their count); training images/s
+chosen on validation (median [min-max] over the seeds that finished, and their count); epochs at chance, the
+leading epochs of the first stage whose validation accuracy is below 1/C + 3 sqrt((1/C)(1 - 1/C)/n) (C classes,
+n validation images: chance plus three standard errors; median [min-max] over the seeds); training images/s
 and seconds per epoch (training plus validation) from each run's own records, and the peak memory (GPU
 memory allocated by tensors on CUDA; the whole process's peak resident memory on CPU, Python runtime and
 dataset included), each the median over seeds and, with a curriculum, of the last stage alone; the speed-up
 over the ``timm`` row (ratio of images/s); and whether the row ran at the recipe's token count (no: out of
-memory, or failed, with its log).
+memory, or failed, with its log). With ``--variants``: these files for each variant as ``NAME-<variant>.md``
+(and .png, .json, .csv), and ``NAME.md`` (with ``NAME.json``), one row per variant and row: its group, test
+accuracy, seconds for all stages together (median over the seeds), and epochs at chance. Each table names the
+command that wrote it (the summary above its rows, the others in the note below them).
 """
 from __future__ import annotations
 
@@ -56,10 +69,12 @@ from pathlib import Path
 import visattn
 from visattn.experiments.execute import choose_action, duration, eta_seconds, execute
 from visattn.experiments.plan import (
-    REPO, TABLE_FLAGS, Grid, all_runs, expected_config, parse_rows, plan, run_name, stage_words, train_flags_problem,
+    REPO, TABLE_FLAGS, Grid, Row, Run, all_runs, expected_config, parse_rows, plan, run_name, stage_words,
+    train_flags_problem,
 )
-from visattn.experiments.report import command_line, write_accuracy
+from visattn.experiments.report import command_line, variant_output, write_accuracy, write_variants
 from visattn.experiments.summarise import read_run, summarize_rows
+from visattn.experiments.variants import Variant, parse_variants
 from visattn.models import TIMM_ATTENTION
 from visattn.train import ConfigError
 
@@ -81,13 +96,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
              f"{', '.join(visattn.list_attentions())} (default: {TIMM_ATTENTION} and every type)",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="train.py --seed of each run (default: 0)")
-    parser.add_argument("--run-root", default="runs/accuracy_table", help="<run-root>/<row>/seed<k> holds each run")
-    parser.add_argument("--output", default="accuracy_table.md", help="the markdown table; .png, .json, .csv beside it")
+    parser.add_argument("--run-root", default="runs/accuracy_table",
+                        help="<run-root>/<row>/seed<k> holds each run (with --variants, "
+                             "<run-root>/<variant>/<row>/seed<k>)")
+    parser.add_argument("--output", default="accuracy_table.md",
+                        help="the markdown table; .png, .json, .csv beside it (with --variants: the summary table, "
+                             "each variant's table as NAME-<variant>.md beside it)")
     parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
     parser.add_argument(
         "--stage", action="append", default=[], metavar="FLAGS", dest="stages",
         help="a curriculum: an earlier stage, train.py flags in one quoted word laid over the recipe and the words "
              "after -- (\"--img-size 64 --epochs 4\"); once per stage, in order, each from the previous one's weights",
+    )
+    parser.add_argument(
+        "--variants", nargs="+", metavar="VARIANT", default=[],
+        help="train the grid on each of these variants of the data: names of visattn/experiments/variants.py, or "
+             "tuning / held-out (all of that group); runs in <run-root>/<variant>/<row>/seed<k>",
     )
     # A stage is one word that starts with "--": joined to its flag, argparse takes it as the flag's value
     # even without a space in it ("--stage --epochs=4").
@@ -113,6 +137,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     args.stage_flags = []
     for number, text in enumerate(args.stages, start=1):
         args.stage_flags.append(stage_words(text, lambda problem: parser.error(f"--stage {number} {text!r}: {problem}")))
+    try:
+        args.variants = parse_variants(args.variants)
+    except ValueError as error:
+        parser.error(f"--variants: {error}")
+    if args.variants:
+        stages = [(f"--stage {number}", words) for number, words in enumerate(args.stage_flags, start=1)]
+        for where, words in [("after --", train_args), *stages]:
+            if any(word.partition("=")[0] == "--dataset-kwargs" for word in words):
+                parser.error(f"{where}: --dataset-kwargs is set by --variants in every stage; leave it out")
     if not args.output.endswith(".md"):
         parser.error(f"--output: a markdown file name ending in .md, got {args.output!r}")
     return args, train_args
@@ -121,7 +154,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def grid(args: argparse.Namespace, train_args: list[str]) -> Grid:
     """The runs ``parse_args`` asks for."""
     return Grid(config=args.config, rows=args.rows, seeds=args.seeds, run_root=Path(args.run_root), epochs=args.epochs,
-                stage_flags=args.stage_flags, train_args=train_args)
+                stage_flags=args.stage_flags, train_args=train_args, variants=args.variants)
+
+
+def write_tables(output: Path, rows: list[Row], variants: list[Variant], runs: list[Run], command: str) -> str:
+    """The accuracy table of ``runs``, or with variants each variant's (``NAME-<variant>.md``) and the summary
+    (``output``); returns the table, or the summary."""
+    if not variants:
+        return write_accuracy(output, summarize_rows(rows, runs), runs, expected_config(runs[0].argv), command)
+    per_variant = []
+    for variant in variants:
+        mine = [run for run in runs if run.variant == variant.name]
+        results = summarize_rows(rows, mine)
+        write_accuracy(variant_output(output, variant), results, mine, expected_config(mine[0].argv), command)
+        per_variant.append((variant, results))
+    return write_variants(output, per_variant, command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    recipe = expected_config(runs[0].argv)
     command = command_line("visattn.experiments.accuracy", sys.argv[1:] if argv is None else argv)
     every_run = all_runs(runs)
     for run in every_run:
@@ -151,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             run.status = run.cause.status
             outcome = "ran out of memory" if run.cause.status == "out of memory" else run.cause.status
             print(f"[{number}/{len(todo)}] {run_name(run)}: not started, its stage {run.cause.stage} {outcome}", flush=True)
-            write_accuracy(output, summarize_rows(args.rows, runs), runs, recipe, command)
+            write_tables(output, args.rows, args.variants, runs, command)
             continue
         eta = eta_seconds(every_run)
         remaining = f"; all {len(todo) - number + 1} left: about {duration(eta)}" if eta is not None else ""
@@ -162,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         eta = eta_seconds(every_run)
         left = f"; {len(todo) - number} left: about {duration(eta)}" if number < len(todo) and eta is not None else ""
         print(f"[{number}/{len(todo)}] {run_name(run)}: {outcome} in {duration(run.seconds)}{left}", flush=True)
-        write_accuracy(output, summarize_rows(args.rows, runs), runs, recipe, command)  # a table so far, should it stop
-    print(write_accuracy(output, summarize_rows(args.rows, runs), runs, recipe, command))
+        write_tables(output, args.rows, args.variants, runs, command)  # a table so far, should it stop
+    print(write_tables(output, args.rows, args.variants, runs, command))
     return 0 if all(run.status == "finished" for run in runs) else 1
 
 

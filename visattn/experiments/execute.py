@@ -90,16 +90,16 @@ def execute(run: Run) -> None:
 
 
 def eta_seconds(runs: list[Run]) -> float | None:
-    """Time the runs still to train should take: each at its row's mean time (of the same stage) in this
-    invocation so far, or else the mean over all rows of its stage, or else over all runs (None before any
-    run is timed)."""
+    """Time the runs still to train should take: each at its row's mean time (of the same stage and variant of
+    the data) in this invocation so far, or else the mean over all rows of its stage, or else over all runs
+    (None before any run is timed)."""
     timed = [run for run in runs if run.seconds is not None]
     if not timed:
         return None
-    per_row: dict[tuple[str, int | None], list[float]] = {}
+    per_row: dict[tuple[str | None, str, int | None], list[float]] = {}
     per_stage: dict[int | None, list[float]] = {}
     for run in timed:
-        per_row.setdefault((run.row.text, run.stage), []).append(run.seconds)
+        per_row.setdefault((run.variant, run.row.text, run.stage), []).append(run.seconds)
         per_stage.setdefault(run.stage, []).append(run.seconds)
     overall = [run.seconds for run in timed]
     pending = [
@@ -108,7 +108,7 @@ def eta_seconds(runs: list[Run]) -> float | None:
         and run.cause is run  # else it will not start
     ]
     return sum(
-        statistics.fmean(per_row.get((run.row.text, run.stage)) or per_stage.get(run.stage) or overall)
+        statistics.fmean(per_row.get((run.variant, run.row.text, run.stage)) or per_stage.get(run.stage) or overall)
         for run in pending
     )
 

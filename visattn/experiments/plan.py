@@ -1,5 +1,5 @@
-"""The grid of an accuracy table: rows (attention types with options) x seeds x curriculum stages, each a
-``train.py`` run with the flags train.py reads."""
+"""The grid of an accuracy table: rows (attention types with options) x seeds x curriculum stages (x variants of
+the data), each a ``train.py`` run with the flags train.py reads."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import visattn
+from visattn.experiments.variants import Variant
 from visattn.layers.options import parse_key_values
 from visattn.models import TIMM_ATTENTION
 from visattn.train import ConfigError, TrainConfig, build_parser, resolve_attention, resolve_config
@@ -120,6 +121,8 @@ class Run:
     stage: int | None = None  # with a curriculum: 1, 2, ... up to the recipe's own; None without one
     previous: Run | None = None  # with a curriculum: the stage this one starts from
     last: bool = True  # the recipe's own run (the table's), not an earlier stage
+    variant: str | None = None  # with --variants: the name of the variant of the data it trains on
+    num_classes: int | None = None  # of its model, once finished (from its model.json)
 
     @property
     def log(self) -> Path:
@@ -157,12 +160,22 @@ class Grid:
     epochs: int | None = None  # the last stage's epochs, over the recipe's
     stage_flags: list[list[str]] = field(default_factory=list)  # each earlier stage's train.py flags
     train_args: list[str] = field(default_factory=list)  # the words after --, to every run
+    variants: list[Variant] = field(default_factory=list)  # each a table of its own; none: the recipe's data
 
 
-def train_argv(grid: Grid, row: Row, seed: int, run_dir: Path, stage: list[str]) -> list[str]:
+def train_argv(grid: Grid, row: Row, seed: int, run_dir: Path, stage: list[str],
+               variant: Variant | None = None) -> list[str]:
     """train.py's arguments for ``row`` and ``seed``: the recipe, the arguments after --, the stage's own
-    (its ``--stage`` flags and starting weights, or the last stage's ``--epochs``), then the table's."""
-    argv = ["--config", grid.config, *grid.train_args, *stage, "--attn", row.attn]
+    (its ``--stage`` flags and starting weights, or the last stage's ``--epochs``), the variant's dataset options
+    laid over the recipe's, then the table's. ConfigError for a variant of another dataset than the recipe's."""
+    argv = ["--config", grid.config, *grid.train_args, *stage]
+    if variant is not None:
+        recipe = resolve_config(argv)[0]
+        if recipe.dataset != variant.dataset:
+            raise ConfigError(f"--variants {variant.name}: a variant of {variant.dataset}, but the recipe trains on "
+                              f"{recipe.dataset}")
+        argv += ["--dataset-kwargs", json.dumps({**recipe.dataset_kwargs, **variant.dataset_kwargs})]
+    argv += ["--attn", row.attn]
     if row.options:
         recipe = resolve_config(argv)[0]  # the row's options over the recipe's, as one mapping
         argv += ["--attn-kwargs", json.dumps({**recipe.attn_kwargs, **row.options})]
@@ -177,29 +190,35 @@ def expected_config(argv: list[str]) -> TrainConfig:
 
 
 def plan(grid: Grid) -> list[Run]:
-    """Every (row, seed) run, each with its earlier stages; a config train.py would refuse stops here
-    (ConfigError)."""
+    """Every (row, seed) run, each with its earlier stages, and with variants every (variant, row, seed) run in
+    ``<run_root>/<variant>``; a config train.py would refuse stops here (ConfigError)."""
     runs = []
-    for seed in grid.seeds:  # every row's first seed, then every row's second: a partial table has every row
-        for row in grid.rows:
-            run_dir = grid.run_root / row.folder / run_folder(seed)
-            previous = None
-            for number, stage_flags in enumerate(grid.stage_flags, start=1):
-                stage_dir = run_dir.with_name(run_folder(seed, number))
-                start = [] if previous is None else ["--initial-checkpoint", str(previous.run_dir)]
-                try:  # a ConfigError now rather than after hours of other rows
-                    stage_argv = train_argv(grid, row, seed, stage_dir, [*stage_flags, *start])
-                    expected_config(stage_argv)
-                except ConfigError as error:
-                    raise ConfigError(f"in stage {number} (--stage {shlex.join(stage_flags)}): {error}") from None
-                previous = Run(row, seed, stage_dir, stage_argv, stage=number, previous=previous, last=False)
-            flags = ["--epochs", str(grid.epochs)] if grid.epochs is not None else []
-            if previous is not None:
-                flags += ["--initial-checkpoint", str(previous.run_dir)]
-            run = Run(row, seed, run_dir, train_argv(grid, row, seed, run_dir, flags),
-                      stage=None if previous is None else previous.stage + 1, previous=previous)
-            expected_config(run.argv)
-            runs.append(run)
+    # every row's first seed, then every row's second (with variants: every variant's rows): a partial table
+    # has every row
+    for seed in grid.seeds:
+        for variant in grid.variants or [None]:
+            root = grid.run_root if variant is None else grid.run_root / variant.name
+            name = None if variant is None else variant.name
+            for row in grid.rows:
+                run_dir = root / row.folder / run_folder(seed)
+                previous = None
+                for number, stage_flags in enumerate(grid.stage_flags, start=1):
+                    stage_dir = run_dir.with_name(run_folder(seed, number))
+                    start = [] if previous is None else ["--initial-checkpoint", str(previous.run_dir)]
+                    try:  # a ConfigError now rather than after hours of other rows
+                        stage_argv = train_argv(grid, row, seed, stage_dir, [*stage_flags, *start], variant)
+                        expected_config(stage_argv)
+                    except ConfigError as error:
+                        raise ConfigError(f"in stage {number} (--stage {shlex.join(stage_flags)}): {error}") from None
+                    previous = Run(row, seed, stage_dir, stage_argv, stage=number, previous=previous, last=False,
+                                   variant=name)
+                flags = ["--epochs", str(grid.epochs)] if grid.epochs is not None else []
+                if previous is not None:
+                    flags += ["--initial-checkpoint", str(previous.run_dir)]
+                run = Run(row, seed, run_dir, train_argv(grid, row, seed, run_dir, flags, variant),
+                          stage=None if previous is None else previous.stage + 1, previous=previous, variant=name)
+                expected_config(run.argv)
+                runs.append(run)
     return runs
 
 
@@ -209,4 +228,5 @@ def all_runs(runs: list[Run]) -> list[Run]:
 
 
 def run_name(run: Run) -> str:
-    return f"{run.row.text} seed {run.seed}{'' if run.last else f' (stage {run.stage})'}"
+    variant = "" if run.variant is None else f"{run.variant}: "
+    return f"{variant}{run.row.text} seed {run.seed}{'' if run.last else f' (stage {run.stage})'}"

@@ -1,5 +1,6 @@
-"""The tables as files: the accuracy table (markdown, with its figure, every run as JSON and CSV) and the
-resolution table (markdown, every run as JSON)."""
+"""The tables as files: the accuracy table (markdown, with its figure, every run as JSON and CSV), the summary
+of one accuracy table per variant of the data (markdown and JSON), and the resolution table (markdown, every
+run as JSON)."""
 from __future__ import annotations
 
 import csv
@@ -12,7 +13,8 @@ from typing import Any
 from visattn.experiments.larger_size import MOST_CONFIDENT, SECOND_STAGE, TRAINED, UPSAMPLED, WHOLE, Evaluation, columns, tiled_column
 from visattn.experiments.plan import Run, all_runs, expected_config
 from visattn.experiments.plot import plot
-from visattn.experiments.summarise import RowResult, epoch_seconds
+from visattn.experiments.summarise import RowResult, epoch_seconds, run_epochs_at_chance
+from visattn.experiments.variants import Variant, group_of
 from visattn.models import TIMM_ATTENTION
 from visattn.train import TrainConfig
 
@@ -31,8 +33,24 @@ def median_range(values: list[float]) -> str:
 
 
 # -- the accuracy table ---------------------------------------------------------------------------------------
+CHANCE_NOTE = (
+    "epochs at chance: the leading epochs of the first stage whose validation accuracy is below chance plus three "
+    "standard errors, 1/C + 3·sqrt((1/C)(1 − 1/C)/n) for C classes and n validation images (median [min–max] over "
+    "the seeds)"
+)
+
+
 def accuracy_cell(result: RowResult) -> str:
     return f"{median_range(result.accs)} ({result.count})" if result.accs else "—"
+
+
+def chance_cell(result: RowResult) -> str:
+    """Epochs at chance: the median over seeds, and where they differ their range."""
+    values = result.chance_epochs
+    if not values:
+        return "—"
+    median = f"{statistics.median(values):g}"
+    return median if min(values) == max(values) else f"{median} [{min(values)}–{max(values)}]"
 
 
 def _number(value: float | None, digits: int = 0) -> str:
@@ -53,9 +71,9 @@ def accuracy_markdown(results: list[RowResult], runs: list[Run], recipe: TrainCo
     timm = next((result for result in results if result.row.attn == TIMM_ATTENTION), None)
     reference = timm.images_per_s if timm is not None else None
     lines = [
-        f"| attention | test accuracy, median [min–max] (seeds) | train images/s | s per epoch | "
+        f"| attention | test accuracy, median [min–max] (seeds) | epochs at chance | train images/s | s per epoch | "
         f"{'peak GPU memory' if on_gpu else 'peak memory'} (MiB) | speed-up over timm | runs at {tokens} |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for result in results:
         speedup = (
@@ -70,20 +88,25 @@ def accuracy_markdown(results: list[RowResult], runs: list[Run], recipe: TrainCo
             if failed.cause is not failed:
                 status = f"no: out of memory in stage {failed.cause.stage} (see `{failed.failed_log}`)"
         lines.append(
-            f"| {result.row.label} | {accuracy_cell(result)} | {_rate(result.images_per_s)} | "
+            f"| {result.row.label} | {accuracy_cell(result)} | {chance_cell(result)} | {_rate(result.images_per_s)} | "
             f"{_number(result.epoch_s, 1)} | {_number(result.peak_mem_mib)} | {speedup} | {status} |"
         )
     memory = (
         "GPU memory allocated by tensors" if on_gpu
         else "on CPU the whole process's peak resident set, Python runtime and dataset included"
     )
+    variant = runs[0].variant if runs else None
+    data = recipe.dataset
+    if variant is not None:
+        data += f" variant {variant} (options {recipe.dataset_kwargs})"
     note = (
-        f"`{command}`: {recipe.dataset} at {recipe.image_hw[0]}×{recipe.image_hw[1]} px, patch {recipe.patch_size} "
+        f"`{command}`: {data} at {recipe.image_hw[0]}×{recipe.image_hw[1]} px, patch {recipe.patch_size} "
         f"({rows_}×{cols_} grid, {tokens}), {recipe.model} of width {recipe.embed_dim}, depth {recipe.depth}, "
         f"{recipe.num_heads} heads, {recipe.epochs} epoch{'s' if recipe.epochs != 1 else ''}{curriculum(runs)}; seeds "
         f"{', '.join(str(seed) for seed in sorted({run.seed for run in runs}))}. Test accuracy of the weights chosen on "
-        "validation; images/s over the training steps and seconds per epoch (training and validation), each from "
-        f"the run's own records, and peak memory ({memory}): medians over the seeds. Speed-up: images/s over "
+        f"validation; {CHANCE_NOTE}; images/s over the training steps and seconds per epoch (training and "
+        f"validation), each from the run's own records, and peak memory ({memory}): medians over the seeds. "
+        "Speed-up: images/s over "
         "the timm row's (timm's own Attention in the same ViT), from runs that may have shared the machine with "
         "the grid's other runs: how fast a type trains is the benchmark's figure (visattn-bench), not this column's."
     )
@@ -114,17 +137,19 @@ def curriculum(runs: list[Run]) -> str:
     )
 
 
-CSV_FIELDS = ("row", "attn", "options", "seed", "stage", "status", "test_acc", "best_acc", "best_epoch", "epochs",
-              "images_per_s", "epoch_time_s", "peak_mem_mib", "mem_kind", "wall_time_s", "run_dir")
+CSV_FIELDS = ("variant", "row", "attn", "options", "seed", "stage", "status", "test_acc", "best_acc", "best_epoch",
+              "epochs", "epochs_at_chance", "images_per_s", "epoch_time_s", "peak_mem_mib", "mem_kind", "wall_time_s",
+              "run_dir")
 
 
 def run_record(run: Run) -> dict[str, Any]:
     summary = run.summary or {}
     return {
-        "row": run.row.text, "attn": run.row.attn, "options": run.row.options, "seed": run.seed,
+        "variant": run.variant, "row": run.row.text, "attn": run.row.attn, "options": run.row.options, "seed": run.seed,
         "stage": run.stage, "status": run.status,
         **{key: summary.get(key) for key in ("test_acc", "best_acc", "best_epoch", "epochs", "images_per_s",
                                               "peak_mem_mib", "mem_kind", "wall_time_s")},
+        "epochs_at_chance": run_epochs_at_chance(run),  # of its (row, seed)'s first stage, on every stage's record
         "epoch_time_s": epoch_seconds(run.history), "run_dir": str(run.run_dir),
     }
 
@@ -145,6 +170,50 @@ def write_accuracy(output: Path, results: list[RowResult], runs: list[Run], reci
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
         writer.writeheader()
         writer.writerows({**record, "options": json.dumps(record["options"])} for record in records)
+    return table
+
+
+# -- the summary over variants of the data --------------------------------------------------------------------
+def variant_output(output: Path, variant: Variant) -> Path:
+    """A variant's own accuracy table beside the summary ``output``: ``NAME-<variant>.md``."""
+    return output.with_name(f"{output.stem}-{variant.name}{output.suffix}")
+
+
+def variants_markdown(per_variant: list[tuple[Variant, list[RowResult]]], output: Path, command: str) -> str:
+    """One row per (variant, attention row): its group, test accuracy, seconds for all stages, epochs at chance."""
+    lines = [
+        f"Command: `{command}`",
+        "",
+        "| variant | group | attention | test accuracy, median [min–max] (seeds) | s, all stages (median) | "
+        "epochs at chance |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for variant, results in per_variant:
+        for result in results:
+            lines.append(f"| {variant.name} | {group_of(variant)} | {result.row.label} | {accuracy_cell(result)} | "
+                         f"{_number(result.all_stages_s)} | {chance_cell(result)} |")
+    tables = ", ".join(f"[{variant.name}]({variant_output(output, variant).name})" for variant, _ in per_variant)
+    note = (
+        "Every recipe decision is made on the tuning variants and reported on the held-out ones, fixed before any "
+        "tuning (visattn/experiments/variants.py). Test accuracy of the weights chosen on validation; seconds: "
+        "the wall time train.py recorded for each stage, summed over the stages, median over the seeds; "
+        f"{CHANCE_NOTE}. "
+        f"Each variant's own table, with speed and memory: {tables}."
+    )
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def write_variants(output: Path, per_variant: list[tuple[Variant, list[RowResult]]], command: str) -> str:
+    """The summary table, and its rows as JSON beside it; returns the table."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    table = variants_markdown(per_variant, output, command)
+    output.write_text(table)
+    output.with_suffix(".json").write_text(json.dumps({"command": command, "rows": [
+        {"variant": variant.name, "group": group_of(variant), "dataset_kwargs": variant.dataset_kwargs,
+         "row": result.row.text, "seeds": result.seeds, "test_accs": result.accs, "all_stages_s": result.all_stages_s,
+         "epochs_at_chance": result.chance_epochs, "status": result.status}
+        for variant, results in per_variant for result in results
+    ]}, indent=1))
     return table
 
 

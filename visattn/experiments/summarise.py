@@ -1,24 +1,72 @@
-"""What finished runs left: a grid's run's summary and per-epoch records, an accuracy table's row summed up
-over its seeds, and a finished run read with what it was trained with (config and normalization)."""
+"""What finished runs left: a grid's run's summary and per-epoch records, the epochs it spent at chance, an
+accuracy table's row summed up over its seeds, and a finished run read with what it was trained with (config
+and normalization)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from visattn.experiments.plan import Row, Run
-from visattn.predict import read_model_file, recorded_data_config
+from visattn.predict import MODEL_FILE, read_model_file, recorded_data_config
 from visattn.train import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TrainConfig, make_config, read_yaml
 
 
 def read_run(run: Run) -> None:
-    """Fill ``run.summary`` and ``run.history`` from its run directory (status "finished")."""
+    """Fill ``run.summary``, ``run.history`` and ``run.num_classes`` from its run directory (status "finished")."""
     run.summary = json.loads((run.run_dir / SUMMARY_FILE).read_text())
     metrics = run.run_dir / METRICS_FILE
     run.history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    has_model_file = (run.run_dir / MODEL_FILE).is_file()
+    run.num_classes = read_model_file(run.run_dir)["kwargs"]["num_classes"] if has_model_file else None
     run.status = "finished"
+
+
+def chance_threshold(num_classes: int, samples: int) -> float:
+    """The accuracy on ``samples`` images below which a model is not told from guessing among ``num_classes``.
+
+    A model that has learnt nothing answers independently of an image's class, so on balanced classes each
+    answer is right with probability p = 1/C. Taken as independent guesses, its right answers over n images
+    are Binomial(n, p), and its accuracy has mean p and standard error sqrt(p (1 - p) / n) (a constant answer
+    on exactly balanced classes varies less). The threshold is p + 3 standard errors,
+    ``1/C + 3 sqrt((1/C)(1 - 1/C) / n)``, which such a model reaches in about 0.1% of evaluations (normal
+    approximation): 0.1 + 3 sqrt(0.09 / 1000) = 0.1285 for 10 classes and 1,000 images.
+    """
+    p = 1 / num_classes
+    return p + 3 * math.sqrt(p * (1 - p) / samples)
+
+
+def epochs_at_chance(history: list[dict[str, Any]], num_classes: int) -> int:
+    """The number of leading epochs of ``history`` whose accuracy on the split evaluated every epoch
+    (validation, else test) is below :func:`chance_threshold` for that split's size."""
+    split = "val" if "val_acc" in history[0] else "test"
+    count = 0
+    for record in history:
+        if record[f"{split}_acc"] >= chance_threshold(num_classes, record[f"{split}_samples"]):
+            break
+        count += 1
+    return count
+
+
+def run_epochs_at_chance(run: Run) -> int | None:
+    """:func:`epochs_at_chance` of the first stage of ``run`` (or of ``run``, without a curriculum); None until
+    that stage has finished with per-epoch records and its model's class count."""
+    first = (run.earlier or [run])[0]
+    if first.status != "finished" or not first.history or first.num_classes is None:
+        return None
+    return epochs_at_chance(first.history, first.num_classes)
+
+
+def all_stages_seconds(run: Run) -> float | None:
+    """The wall time train.py recorded for ``run`` and each of its earlier stages, summed (None until each has
+    finished)."""
+    stages = [*run.earlier, run]
+    if any(stage.summary is None for stage in stages):
+        return None
+    return sum(stage.summary["wall_time_s"] for stage in stages)
 
 
 @dataclass(frozen=True)
@@ -28,6 +76,8 @@ class RowResult:
     row: Row
     seeds: int  # runs asked for
     accs: list[float]  # test accuracy of each finished run
+    chance_epochs: list[int]  # epochs at chance of each finished run's first stage, where known
+    all_stages_s: float | None  # median over the finished runs of their seconds for all stages together
     images_per_s: float | None
     epoch_s: float | None
     peak_mem_mib: float | None
@@ -61,6 +111,8 @@ def summarize_row(row: Row, runs: list[Run]) -> RowResult:
         status = "yes" if finished else "not run yet"
     return RowResult(
         row=row, seeds=len(runs), accs=[run.summary["test_acc"] for run in finished],
+        chance_epochs=[epochs for epochs in map(run_epochs_at_chance, finished) if epochs is not None],
+        all_stages_s=median_of_known([all_stages_seconds(run) for run in finished]),
         images_per_s=median_of_known([run.summary["images_per_s"] for run in finished]),
         epoch_s=median_of_known([epoch_seconds(run.history) for run in finished]),
         peak_mem_mib=median_of_known([run.summary["peak_mem_mib"] for run in finished]),
