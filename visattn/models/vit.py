@@ -29,6 +29,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
+from visattn.layers.patch_embed import get_stem
 from visattn.models.auto import check_auto_batch_size, select_attention
 from visattn.models.convert import TIMM_ATTENTION, convert, keep_timm_attention
 from visattn.models.shapes import MODEL_SHAPES
@@ -60,6 +61,7 @@ def _create_visattn_vit(
     attn: str | Sequence[str] = "linear",
     attn_kwargs: dict[str, Any] | None = None,
     auto_batch_size: int | None = None,
+    stem: str = "patch",
     **kwargs: Any,
 ) -> VisionTransformer:
     """timm's VisionTransformer built through ``build_model_with_cfg`` and converted before any weights load."""
@@ -87,7 +89,7 @@ def _create_visattn_vit(
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **{**MODEL_SHAPES[variant], **kwargs},
+        **{**MODEL_SHAPES[variant], "embed_layer": get_stem(stem), **kwargs},
     )
 
 
