@@ -10,7 +10,8 @@ Every keyword of timm's ``VisionTransformer`` passes through (``img_size`` as in
 ``drop_path_rate``, ...). ``attn`` is one name of :func:`visattn.list_attentions`, a list with one name
 per block, ``"timm"`` (timm's own ``Attention`` kept: the stock model, the reference), or ``"auto"`` (chosen by :func:`visattn.models.auto.select_attention` from the model name, the image
 size and ``auto_batch_size``, the images per step the model will run at, default 1); ``attn_kwargs`` holds
-the type options, as in :func:`visattn.convert`.
+the type options, as in :func:`visattn.convert`. ``stem="conv"`` replaces the patch projection by a
+convolutional stem of the same patch size (:class:`visattn.layers.patch_embed.ConvPatchEmbed`).
 
 No weights are published: ``pretrained=True`` loads a local file, built with the same ``attn``::
 
