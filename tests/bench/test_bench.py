@@ -336,6 +336,18 @@ def test_training_flops_match_flop_counter(attn):
     assert train_flops(shape, img, cost_attn, {}) == _counted_flops(model, img, backward=True)
 
 
+@pytest.mark.parametrize("patch_size", [16, 8])
+def test_conv_stem_flops_match_flop_counter_forward_and_training(patch_size):
+    """Each convolution of the stem counted; the first one's input takes no gradient in training."""
+    img = (64, 96)
+    model = timm.create_model("visattn_vit_small_patch16", attn="floor", stem="conv", img_size=img,
+                              patch_size=patch_size, embed_dim=32, depth=2, num_heads=2, num_classes=10, reg_tokens=2)
+    shape = ViTShape.from_model(model)
+    assert len(shape.stem) == {16: 5, 8: 4}[patch_size]
+    assert vit_flops(shape, img, "floor", {}) == _counted_flops(model, img, backward=False)
+    assert train_flops(shape, img, "floor", {}) == _counted_flops(model, img, backward=True)
+
+
 LOCAL_CASES = [
     ("neighborhood", {"kernel_size": 3, "tile_size": 2}, (5, 7), 1),
     ("neighborhood", {"kernel_size": 9, "tile_size": 4}, (6, 4), 0),

@@ -6,14 +6,16 @@ FLOPs
 -----
 The whole model, per image, forward:
 
-* patch embedding: ``2 HW (c_in p_h p_w) C`` for an H x W patch grid and C = embed_dim;
+* patch embedding: ``2 HW (c_in p_h p_w) C`` for an H x W patch grid and C = embed_dim; a convolutional
+  stem (``stem="conv"``) counts each convolution's products, ``2 H_out W_out (c_in k_h k_w) c_out``, and
+  leaves out its batch norms and ReLUs (one operation per element, three orders of magnitude below);
 * per block: the qkv projection (``6 N C^2`` unless the type says otherwise) + ``proj 2 N C^2`` +
   ``MLP 4 N C C_mlp`` + the token mixing of the type, with N = P + HW tokens (P prefix tokens: class +
   register);
 * head: ``2 C num_classes`` (one pooled token).
 
-A training step (forward + backward) costs ``3 x forward - patch embedding``: the backward of a product
-is two products of the same size, except that no gradient flows into the image. Where implementation
+A training step (forward + backward) costs ``3 x forward - first convolution``: the backward of a
+product is two products of the same size, except that no gradient flows into the image. Where implementation
 and definition coincide, the forward counts equal ``torch.utils.flop_counter.FlopCounterMode`` on the
 math path of ``scaled_dot_product_attention`` (the fused CPU kernel hides its products from the
 counter); the tests check this for every registered type.
@@ -41,6 +43,27 @@ from visattn.models.shapes import patch_grid
 
 
 @dataclass(frozen=True)
+class StemConv:
+    """One convolution of a patch embedding: channels in and out, kernel and stride (height, width), padding."""
+
+    in_channels: int
+    out_channels: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+
+    @classmethod
+    def from_module(cls, conv: nn.Conv2d) -> StemConv:
+        return cls(conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(conv.stride), tuple(conv.padding))
+
+    def output_size(self, size: tuple[int, int]) -> tuple[int, int]:
+        return tuple((s + 2 * p - k) // t + 1 for s, p, k, t in zip(size, self.padding, self.kernel, self.stride))
+
+    def flops(self, output_size: tuple[int, int]) -> int:
+        return 2 * output_size[0] * output_size[1] * self.in_channels * self.kernel[0] * self.kernel[1] * self.out_channels
+
+
+@dataclass(frozen=True)
 class ViTShape:
     """What the cost model needs to know about a timm ``VisionTransformer``."""
 
@@ -52,21 +75,24 @@ class ViTShape:
     in_chans: int
     num_prefix_tokens: int
     num_classes: int
+    stem: tuple[StemConv, ...] = ()  # the convolutions of a conv stem, in order; () for timm's patch projection
 
     @classmethod
     def from_model(cls, model: nn.Module) -> ViTShape:
         """Read the shape off a timm ``VisionTransformer`` (also one built on the meta device)."""
         block = model.blocks[0]
         head = model.head
+        convs = [StemConv.from_module(m) for m in model.patch_embed.proj.modules() if isinstance(m, nn.Conv2d)]
         return cls(
             embed_dim=model.embed_dim,
             depth=len(model.blocks),
             num_heads=block.attn.num_heads,
             mlp_hidden=block.mlp.fc1.out_features,
             patch_size=tuple(model.patch_embed.patch_size),
-            in_chans=model.patch_embed.proj.in_channels,
+            in_chans=convs[0].in_channels,
             num_prefix_tokens=model.num_prefix_tokens,
             num_classes=head.out_features if isinstance(head, nn.Linear) else 0,
+            stem=tuple(convs) if len(convs) > 1 else (),
         )
 
     @property
@@ -87,8 +113,19 @@ def mixing_flops(attn: str, layout: TokenLayout, num_heads: int, head_dim: int, 
 
 
 def patch_embed_flops(shape: ViTShape, img_size: tuple[int, int]) -> int:
-    h, w = shape.grid(img_size)
-    return 2 * h * w * shape.in_chans * shape.patch_size[0] * shape.patch_size[1] * shape.embed_dim
+    return sum(_stem_flops(shape, img_size))
+
+
+def _stem_flops(shape: ViTShape, img_size: tuple[int, int]) -> list[int]:
+    """FLOPs of each convolution of the patch embedding, in order (one for timm's patch projection)."""
+    if not shape.stem:
+        h, w = shape.grid(img_size)
+        return [2 * h * w * shape.in_chans * shape.patch_size[0] * shape.patch_size[1] * shape.embed_dim]
+    flops, size = [], tuple(img_size)
+    for conv in shape.stem:
+        size = conv.output_size(size)
+        flops.append(conv.flops(size))
+    return flops
 
 
 def vit_flops(shape: ViTShape, img_size: tuple[int, int], attn: str, options: Mapping[str, Any]) -> int:
@@ -103,7 +140,7 @@ def vit_flops(shape: ViTShape, img_size: tuple[int, int], attn: str, options: Ma
 
 def train_flops(shape: ViTShape, img_size: tuple[int, int], attn: str, options: Mapping[str, Any]) -> int:
     """FLOPs of a training step (forward + backward) for one image."""
-    return 3 * vit_flops(shape, img_size, attn, options) - patch_embed_flops(shape, img_size)
+    return 3 * vit_flops(shape, img_size, attn, options) - _stem_flops(shape, img_size)[0]
 
 
 def estimate_memory(

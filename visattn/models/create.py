@@ -25,6 +25,7 @@ import torch
 from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
+from visattn.layers.patch_embed import get_stem
 from visattn.models.auto import check_auto_batch_size, select_attention
 from visattn.models.convert import CARRIED_MODULES, TIMM_ATTENTION, convert, keep_timm_attention
 from visattn.models.shapes import MODEL_SHAPES
@@ -38,6 +39,7 @@ def create_model(
     attn_kwargs: dict[str, Any] | None = None,
     pretrained: bool = False,
     auto_batch_size: int | None = None,
+    stem: str = "patch",
     **kwargs: Any,
 ) -> VisionTransformer:
     """``timm.create_model(model_name, **kwargs)`` with ``attn`` in every block.
@@ -50,6 +52,8 @@ def create_model(
         attn_kwargs: type options, as in :func:`convert`.
         pretrained: timm's pretrained weights (loaded into the stock model, then converted).
         auto_batch_size: with ``attn="auto"``, the images per step the model will run at (default 1).
+        stem: the patch embedding, ``"patch"`` (timm's) or ``"conv"``
+            (:class:`~visattn.layers.patch_embed.ConvPatchEmbed`).
         **kwargs: any keyword of timm's ``VisionTransformer`` (``img_size``, ``patch_size``, ``num_classes``, ...).
     Returns:
         The converted model (for ``"timm"``, the model as timm built it).
@@ -61,10 +65,11 @@ def create_model(
     check_auto_batch_size(attn, auto_batch_size)
     if model_name in MODEL_SHAPES:
         return timm.create_model(
-            model_name, pretrained=pretrained, attn=attn, attn_kwargs=attn_kwargs, auto_batch_size=auto_batch_size, **kwargs
+            model_name, pretrained=pretrained, attn=attn, attn_kwargs=attn_kwargs, auto_batch_size=auto_batch_size,
+            stem=stem, **kwargs
         )
     check_vit_name(model_name)
-    model = timm.create_model(model_name, pretrained=pretrained, **kwargs)
+    model = timm.create_model(model_name, pretrained=pretrained, embed_layer=get_stem(stem), **kwargs)
     if attn == TIMM_ATTENTION:
         return keep_timm_attention(model, attn_kwargs)
     names = attn

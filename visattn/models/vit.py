@@ -10,7 +10,8 @@ Every keyword of timm's ``VisionTransformer`` passes through (``img_size`` as in
 ``drop_path_rate``, ...). ``attn`` is one name of :func:`visattn.list_attentions`, a list with one name
 per block, ``"timm"`` (timm's own ``Attention`` kept: the stock model, the reference), or ``"auto"`` (chosen by :func:`visattn.models.auto.select_attention` from the model name, the image
 size and ``auto_batch_size``, the images per step the model will run at, default 1); ``attn_kwargs`` holds
-the type options, as in :func:`visattn.convert`.
+the type options, as in :func:`visattn.convert`. ``stem="conv"`` replaces the patch projection by a
+convolutional stem of the same patch size (:class:`visattn.layers.patch_embed.ConvPatchEmbed`).
 
 No weights are published: ``pretrained=True`` loads a local file, built with the same ``attn``::
 
@@ -29,6 +30,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
+from visattn.layers.patch_embed import get_stem
 from visattn.models.auto import check_auto_batch_size, select_attention
 from visattn.models.convert import TIMM_ATTENTION, convert, keep_timm_attention
 from visattn.models.shapes import MODEL_SHAPES
@@ -60,6 +62,7 @@ def _create_visattn_vit(
     attn: str | Sequence[str] = "linear",
     attn_kwargs: dict[str, Any] | None = None,
     auto_batch_size: int | None = None,
+    stem: str = "patch",
     **kwargs: Any,
 ) -> VisionTransformer:
     """timm's VisionTransformer built through ``build_model_with_cfg`` and converted before any weights load."""
@@ -87,7 +90,7 @@ def _create_visattn_vit(
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **{**MODEL_SHAPES[variant], **kwargs},
+        **{**MODEL_SHAPES[variant], "embed_layer": get_stem(stem), **kwargs},
     )
 
 

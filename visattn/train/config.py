@@ -22,6 +22,7 @@ from timm.optim import list_optimizers
 
 from visattn.layers import list_attentions
 from visattn.layers.options import load_yaml
+from visattn.layers.patch_embed import STEMS
 from visattn.models import TIMM_ATTENTION, model_shape
 from visattn.models.linearize import TRANSFER_MODES
 from visattn.train.augment import check_auto_augment
@@ -102,6 +103,12 @@ class TrainConfig:
         default=None,
         metadata=_help(f"patch side; the grid is img_size / patch_size (none: the smallest side from 2 up that divides "
                        f"the image and keeps the grid at {MAX_DEFAULT_TOKENS:,} tokens or fewer: 2 for the digits)"),
+    )
+    stem: str = field(
+        default="patch",
+        metadata=_help("patch embedding: patch (timm's, one linear projection per patch) or conv (stride-2 3x3 "
+                       "convolutions with batch norm and ReLU, then 1x1: far fewer epochs at chance from scratch on "
+                       "small data)"),
     )
     embed_dim: int = field(default=64, metadata=_help("token width"))
     depth: int = field(default=4, metadata=_help("number of blocks"))
@@ -237,6 +244,7 @@ class TrainConfig:
             "global_pool": self.global_pool,
             "class_token": self.class_token,
             "drop_path_rate": self.drop_path_rate,
+            **({"stem": self.stem} if self.stem != "patch" else {}),
             # attn="auto" chooses for the batch each process steps
             **({"auto_batch_size": self.batch_size} if self.attn == "auto" else {}),
             **self.model_kwargs,
@@ -250,7 +258,7 @@ MODEL_SHAPE_KEYS = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio"
 # Model keywords that come from their own config keys or from the dataset (num_classes).
 _OWN_MODEL_KEYS = frozenset(
     {"attn", "attn_kwargs", "img_size", "patch_size", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
-     "global_pool", "class_token", "drop_path_rate", "pretrained", "auto_batch_size"}
+     "global_pool", "class_token", "drop_path_rate", "pretrained", "auto_batch_size", "stem", "embed_layer"}
 )
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(TrainConfig)
 
@@ -274,6 +282,10 @@ def check_values(config: TrainConfig) -> None:
     _choice("mixed_precision", config.mixed_precision, MIXED_PRECISION)
     _choice("sched", config.sched, SCHEDULERS)
     _choice("global_pool", config.global_pool, GLOBAL_POOLS)
+    _choice("stem", config.stem, tuple(STEMS))
+    if config.stem != "patch" and config.pretrained:
+        raise ConfigError(f"stem: {config.stem!r} has no pretrained weights (timm's are a patch projection); "
+                          f"use stem 'patch' with --pretrained")
     if config.global_pool == "token" and not config.class_token:
         raise ConfigError("global_pool: 'token' reads the class token; set class_token true or use 'avg'")
     _choice("opt", config.opt, list_optimizers())
@@ -329,6 +341,8 @@ def check_values(config: TrainConfig) -> None:
             raise ConfigError(
                 f"img_size: image {name} {side} must be a positive multiple of patch_size={config.patch_size}"
             )
+    if config.stem == "conv" and config.patch_size % 2:
+        raise ConfigError(f"stem: 'conv' strides by 2 and needs an even patch_size, got {config.patch_size}")
     if not config.mlp_ratio > 0:
         raise ConfigError(f"mlp_ratio: must be > 0, got {config.mlp_ratio}")
     if config.embed_dim % config.num_heads:

@@ -117,8 +117,9 @@ def run_overview(
         f"{splits.num_classes} classes, resized to {height}x{width}",
         *image_check_lines(image_check),
         *([choose_normalization(config, splits).line()] if config.pretrained or config.initial_checkpoint else []),
-        f"model: {config.model}, {params:,} parameters, {rows}x{cols} grid of {patch_h}x{patch_w} patches = "
-        f"{rows * cols:,} tokens" + (f" + {prefix} prefix" if prefix else ""),
+        f"model: {config.model}, {params:,} parameters, {rows}x{cols} grid of {patch_h}x{patch_w} patches"
+        f"{' through a conv stem' if config.stem == 'conv' else ''} = {rows * cols:,} tokens"
+        + (f" + {prefix} prefix" if prefix else ""),
         attention_line(names, auto),
         *filter(None, [position_options_line(config)]),
         *attention_cost_lines(config, model),
