@@ -310,7 +310,8 @@ def test_auto_chooses_with_the_nearest_calibrated_batch(tmp_path, monkeypatch, c
     assert warning == [
         f"attn='auto' for visattn_vit_small_patch16 extrapolates 'axial' beyond what the calibration "
         f"{auto.calibration_path()} measured: batch 64 (calibrated: batch 1, 16); 4096 patch tokens (measured at "
-        "batch 16: 196 to 1024)"
+        "batch 16: 196 to 1024); to measure it on this machine: visattn-bench --calibrate --model "
+        "visattn_vit_small_patch16 --batch-size 64 --sizes 1024"
     ]
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match=f"^batch_size must be an int >= 1, got {bad!r}$"):
@@ -324,6 +325,16 @@ def test_the_built_in_defaults_say_when_they_extrapolate(tmp_path, monkeypatch, 
         assert caplog.text == ""
         auto.select_attention("visattn_vit_small_patch16", (512, 512), batch_size=16)
     assert "batch 16 (calibrated: batch 1)" in caplog.text and "built-in defaults" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="visattn.models.auto"):  # a patch size other than the name's
+        auto.select_attention("visattn_vit_small_patch16", (32, 48), (4, 4), batch_size=16)
+    assert caplog.text.rstrip().endswith(
+        "to measure it on this machine: visattn-bench --calibrate --model visattn_vit_small_patch16 --batch-size 16 "
+        "--sizes 32x48 --model-kwargs patch_size=4"
+    )
+    command = caplog.text.rstrip().split("on this machine: ")[1].split()
+    args = cli._parse(command[1:])  # the command it gives runs as written
+    assert (args.calibrate, args.batch_sizes, args.sizes, args.model_kwargs) == (True, [16], [(32, 48)], {"patch_size": 4})
 
 
 def test_a_calibration_run_adds_its_batches_within_one_setting(tmp_path, monkeypatch):

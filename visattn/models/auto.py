@@ -305,7 +305,24 @@ def select_attention(
         outside.append(f"{tokens} patch tokens (measured at batch {nearest}: {low} to {high})")
     if outside:
         logger.warning(
-            "attn='auto' for %s extrapolates %r beyond what the %s measured: %s",
+            "attn='auto' for %s extrapolates %r beyond what the %s measured: %s; to measure it on this machine: %s",
             model_name, choice, source, "; ".join(outside),
+            calibrate_command(model_name, img_size, patch_size, batch_size, device_type),
         )
     return choice
+
+
+def calibrate_command(
+    model_name: str, img_size: tuple[int, int], patch_size: tuple[int, int] | None, batch_size: int, device_type: str,
+) -> str:
+    """The ``visattn-bench --calibrate`` command that measures ``model_name`` at this image size, patch size,
+    batch size and device, so that :func:`select_attention` chooses there without extrapolating."""
+    height, width = img_size
+    words = ["visattn-bench --calibrate --model", model_name, "--batch-size", str(batch_size),
+             "--sizes", str(height) if height == width else f"{height}x{width}"]
+    if patch_size is not None and tuple(patch_size) != patch_size_of(model_name):
+        ph, pw = patch_size
+        words += ["--model-kwargs", f"patch_size={ph}" if ph == pw else f"'patch_size=[{ph}, {pw}]'"]
+    if device_type == "cuda":
+        words += ["--device cuda"]
+    return " ".join(words)
