@@ -128,6 +128,20 @@ def test_predictions_of_the_evaluation_images_on_disk_reproduce_the_run_accuracy
     assert correct / len(files) == pytest.approx(summary["test_acc"], abs=1e-9)
 
 
+def test_a_conv_stem_run_predicts_its_own_test_accuracy(tmp_path):
+    """The stem's batch norms are rebuilt from model.json and run in eval mode with their running statistics."""
+    run_dir = tmp_path / "conv"
+    assert train.main([*TINY, "--stem", "conv", "--epochs", "1", "--warmup-epochs", "0", "--run-dir", str(run_dir)]) == 0
+    config = TrainConfig(**yaml.safe_load((run_dir / "config.yaml").read_text()))
+    assert read_model_file(run_dir)["kwargs"]["stem"] == "conv"
+    evaluation = load_splits(config).eval
+    images, labels = zip(*(evaluation[index] for index in range(len(evaluation))))
+    results = predict(load_predictor(run_dir, "best", device="cpu"), list(images), top_k=1, batch_size=16)
+    correct = sum(result.top_k[0][0] == str(label) for result, label in zip(results, labels))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert correct / len(images) == pytest.approx(summary["test_acc"], abs=1e-9)
+
+
 def test_a_bare_model_and_in_memory_images_give_the_same_results(tiny_run, digit_files):
     predictor = load_predictor(tiny_run, device="cpu")
     from_files = predict(predictor, digit_files, top_k=3)
