@@ -87,3 +87,17 @@ def test_timm_create_model_takes_the_stem_by_name():
     assert isinstance(model.patch_embed, ConvPatchEmbed)
     assert type(timm.create_model("visattn_vit_tiny_patch16", img_size=32, patch_size=4, embed_dim=16, depth=1,
                                   num_heads=2).patch_embed) is PatchEmbed
+
+
+@pytest.mark.parametrize("file_stem, model_stem", [("patch", "conv"), ("conv", "patch")])
+def test_weights_of_one_stem_loaded_into_the_other_are_one_line_naming_both(file_stem, model_stem):
+    from visattn.models import load_weights
+
+    shape = dict(img_size=32, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=3)
+    source = create_model("visattn_vit_tiny_patch16", attn="linear", stem=file_stem, **shape)
+    model = create_model("visattn_vit_tiny_patch16", attn="linear", stem=model_stem, **shape)
+    with pytest.raises(ValueError, match=f"^the weights are of a model with stem '{file_stem}', the model has stem "
+                                         f"'{model_stem}'; build it with stem='{file_stem}'"):
+        load_weights(model, source.state_dict())
+    same = create_model("visattn_vit_tiny_patch16", attn="axial", stem=file_stem, **shape)
+    assert load_weights(same, source.state_dict()).kept_init == []

@@ -153,6 +153,12 @@ def load_weights(model: VisionTransformer, state_dict: Mapping[str, torch.Tensor
             whose shapes differ (file vs model), outside what is adapted as the module docstring says.
     """
     target = model.state_dict()
+    file_stem, model_stem = _stem_of(state_dict), _stem_of(target)
+    if file_stem and model_stem and file_stem != model_stem:
+        raise ValueError(
+            f"the weights are of a model with stem {file_stem!r}, the model has stem {model_stem!r}; build it with "
+            f"stem={file_stem!r} (train.py --stem {file_stem})"
+        )
     try:
         source = checkpoint_filter_fn(dict(state_dict), model)
     except (RuntimeError, ValueError):
@@ -186,6 +192,15 @@ def load_weights(model: VisionTransformer, state_dict: Mapping[str, torch.Tensor
         raise ValueError(f"the weights do not fit the model ({'; '.join(problems)})")
     model.load_state_dict(source, strict=False)
     return report
+
+
+def _stem_of(state_dict: Mapping[str, torch.Tensor]) -> str | None:
+    """The stem whose patch embedding ``state_dict`` holds (a name of ``STEMS``), None if it holds none."""
+    if "patch_embed.proj.weight" in state_dict:
+        return "patch"
+    if "patch_embed.proj.0.weight" in state_dict:
+        return "conv"
+    return None
 
 
 def _mismatches(source: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], not_needed: set[str]) -> list[str]:
