@@ -1,6 +1,8 @@
 """visattn-bench end to end at tiny sizes, the FLOP formulas, the exponent fit, crossovers and attn='auto'."""
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import csv
 import io
@@ -464,6 +466,25 @@ def test_memory_estimate_orders(attn):
     assert estimate(512, 1, True) < estimate(1024, 1, True) < estimate(1024, 2, True)
     checkpointed = estimate_memory(shape, (1024, 1024), attn, options, 1, True, 4, params, grad_checkpointing=True)
     assert estimate(1024, 1, False) < checkpointed < estimate(1024, 1, True)
+
+
+def test_a_conv_stem_adds_what_its_norms_keep_to_the_training_estimate():
+    """Patch 4, width 64, 128 px: convolutions to 32 x 64 x 64, 64 x 32 x 32, then the 1x1 to 64 x 32 x 32.
+    Training keeps both stride-2 outputs and both ReLU outputs: 2 (131,072 + 65,536) elements per image; in
+    inference the largest input + output is the second convolution's, 131,072 + 65,536."""
+    model = timm.create_model("visattn_vit_tiny_patch16", attn="floor", stem="conv", img_size=128, patch_size=4,
+                              embed_dim=64, depth=1, num_heads=2, num_classes=10)
+    with_stem = ViTShape.from_model(model)
+    without = dataclasses.replace(with_stem, stem=())
+    assert len(with_stem.stem) == 3
+
+    def extra(training, batch):
+        return (estimate_memory(with_stem, (128, 128), "floor", {}, batch, training, 4, 1000)
+                - estimate_memory(without, (128, 128), "floor", {}, batch, training, 4, 1000))
+
+    assert extra(True, 3) == 3 * 4 * 2 * (131_072 + 65_536)
+    block_live = 6 * 1024 * 64  # the floor block's attention stage, the larger of its two: 393,216 elements
+    assert extra(False, 3) == 0 and (131_072 + 65_536) < block_live
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from visattn.experiments import accuracy, execute, plan, summarise, variants
 from visattn.train.cli import parse_args as train_parse_args
 from visattn.train.config import make_config
 from visattn.train.generated import task_options
+from visattn.train.generated.cluttered_digits import training_sources
 
 CURRICULUM = str(REPO / "configs" / "cluttered-digits-curriculum.yaml")
 # A small model; the data's options stay the variant's (nothing is drawn: train.py is faked).
@@ -28,7 +29,7 @@ def test_the_variants_are_the_fixed_ones_in_two_groups():
              for variant in (*variants.TUNING, *variants.HELD_OUT)}
     assert table == {
         "tune-base": (4000, 32, 0, 8, 0, 0, 0), "tune-scaled": (4000, 24, 40, 12, 24, 0, 1),
-        "tune-few": (2000, 32, 0, 16, 16, 2, 2),
+        "tune-few": (2000, 32, 0, 16, 16, 10, 2),
         "held-dense": (4000, 20, 36, 10, 32, 0, 11), "held-big": (3000, 28, 44, 14, 16, 3, 12),
         "held-coarse": (6000, 32, 0, 20, 12, 0, 13),
     }
@@ -36,6 +37,15 @@ def test_the_variants_are_the_fixed_ones_in_two_groups():
     for variant in variants.VARIANTS.values():
         assert variant.dataset_kwargs["val_size"] == variant.dataset_kwargs["test_size"] == 1000
     assert [variants.group_of(variants.VARIANTS[name]) for name in ("tune-few", "held-big")] == ["tuning", "held-out"]
+
+
+def test_tune_few_shows_a_fifth_of_the_distinct_digits_of_a_random_draw():
+    """2,000 canvases drawn at random from the ~1,078 training digits show ~915 of them; with 10 canvases per
+    digit, tune-few shows 200 (20 per class)."""
+    options = task_options("cluttered-digits", variants.VARIANTS["tune-few"].dataset_kwargs, (128, 128))
+    shown = training_sources(options)
+    assert [len(per_class) for per_class in shown] == [20] * 10
+    assert sum(len(set(per_class.tolist())) for per_class in shown) == 200
 
 
 @pytest.mark.parametrize("name", sorted(variants.VARIANTS))

@@ -529,6 +529,23 @@ def test_config_rejects_unknown_keys_and_wrong_types_by_name():
     assert set(visattn.list_attentions()) >= {"softmax", "axial"}
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"stem": "cnn"}, "stem: 'cnn' is not one of patch, conv"),
+    ({"stem": "conv", "img_size": 15, "patch_size": 5}, "stem: 'conv' strides by 2 and needs an even patch_size, got 5"),
+    ({"stem": "conv", "pretrained": True}, "stem: 'conv' has no pretrained weights"),
+    ({"model_kwargs": {"embed_layer": "conv"}}, "model_kwargs: embed_layer is chosen by stem, one of patch, conv"),
+])
+def test_stem_errors_are_one_line_naming_the_accepted_values(config, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(config)
+
+
+@pytest.mark.parametrize("name", ["visattn_vit_tiny_patch16", "vit_tiny_patch16_224"])
+def test_a_conv_stem_is_refused_pretrained_weights(name):
+    with pytest.raises(ValueError, match="stem 'conv' has no pretrained weights"):
+        create_model(name, stem="conv", pretrained=True)
+
+
 # -- numerical faults --------------------------------------------------------------------------------
 class _NanGradient(torch.autograd.Function):
     """The identity whose backward returns NaN: a finite loss with a non-finite gradient."""

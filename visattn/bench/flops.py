@@ -8,7 +8,8 @@ The whole model, per image, forward:
 
 * patch embedding: ``2 HW (c_in p_h p_w) C`` for an H x W patch grid and C = embed_dim; a convolutional
   stem (``stem="conv"``) counts each convolution's products, ``2 H_out W_out (c_in k_h k_w) c_out``, and
-  leaves out its batch norms and ReLUs (one operation per element, three orders of magnitude below);
+  leaves out its batch norms and ReLUs (a few operations per element, one to two orders of magnitude
+  below the convolutions);
 * per block: the qkv projection (``6 N C^2`` unless the type says otherwise) + ``proj 2 N C^2`` +
   ``MLP 4 N C C_mlp`` + the token mixing of the type, with N = P + HW tokens (P prefix tokens: class +
   register);
@@ -116,16 +117,34 @@ def patch_embed_flops(shape: ViTShape, img_size: tuple[int, int]) -> int:
     return sum(_stem_flops(shape, img_size))
 
 
+def _stem_sizes(shape: ViTShape, img_size: tuple[int, int]) -> list[tuple[int, int]]:
+    """The output size (height, width) of each convolution of a conv stem, in order."""
+    sizes, size = [], tuple(img_size)
+    for conv in shape.stem:
+        size = conv.output_size(size)
+        sizes.append(size)
+    return sizes
+
+
+def _stem_activations(shape: ViTShape, img_size: tuple[int, int]) -> tuple[int, int]:
+    """Elements of one image a conv stem keeps for the backward (each stride-2 convolution's output, read by
+    its batch norm, and the ReLU's output), and the largest input + output of one of its convolutions (its
+    live set in inference); (0, 0) for timm's patch projection, whose input and output the model already counts."""
+    if not shape.stem:
+        return 0, 0
+    sizes = _stem_sizes(shape, img_size)
+    outputs = [conv.out_channels * h * w for conv, (h, w) in zip(shape.stem, sizes)]
+    inputs = [shape.stem[0].in_channels * img_size[0] * img_size[1], *outputs[:-1]]
+    saved = sum(2 * out for out in outputs[:-1])
+    return saved, max(i + o for i, o in zip(inputs, outputs))
+
+
 def _stem_flops(shape: ViTShape, img_size: tuple[int, int]) -> list[int]:
     """FLOPs of each convolution of the patch embedding, in order (one for timm's patch projection)."""
     if not shape.stem:
         h, w = shape.grid(img_size)
         return [2 * h * w * shape.in_chans * shape.patch_size[0] * shape.patch_size[1] * shape.embed_dim]
-    flops, size = [], tuple(img_size)
-    for conv in shape.stem:
-        size = conv.output_size(size)
-        flops.append(conv.flops(size))
-    return flops
+    return [conv.flops(size) for conv, size in zip(shape.stem, _stem_sizes(shape, img_size))]
 
 
 def vit_flops(shape: ViTShape, img_size: tuple[int, int], attn: str, options: Mapping[str, Any]) -> int:
@@ -161,7 +180,8 @@ def estimate_memory(
     one block's working set on top during the backward; inference holds at most one block's live set:
     the MLP stage (``2 N C + 2 N C_mlp``) or the attention stage (``6 N C`` plus the type's buffers).
     With gradient checkpointing, training keeps only each block's input (``N C``) and, during the
-    backward, one recomputed block's saved activations.
+    backward, one recomputed block's saved activations. A conv stem adds what its batch norms and ReLUs
+    keep for the backward, and in inference its largest convolution's input and output.
     """
     layout = shape.layout(img_size)
     n, c, hidden = layout.num_tokens, shape.embed_dim, shape.mlp_hidden
@@ -169,9 +189,10 @@ def estimate_memory(
     image = 3 * img_size[0] * img_size[1] * 4 + 2 * n * c * act_bytes
     mlp_stage = (2 * n * c + 2 * n * hidden) * act_bytes
     attention_stage = 6 * n * c * act_bytes + mix.infer
+    stem_saved, stem_live = (elements * act_bytes for elements in _stem_activations(shape, img_size))
     if training:
         block_saved = (5 * n * c + 2 * n * hidden) * act_bytes + mix.train
         saved = shape.depth * n * c * act_bytes + block_saved if grad_checkpointing else shape.depth * block_saved
-        per_image = image + saved + max(mlp_stage, attention_stage)
+        per_image = image + stem_saved + saved + max(mlp_stage, attention_stage)
         return 16 * param_count + shape.depth * mix.shared + batch_size * per_image
-    return 4 * param_count + mix.shared + batch_size * (image + max(mlp_stage, attention_stage))
+    return 4 * param_count + mix.shared + batch_size * (image + max(mlp_stage, attention_stage, stem_live))

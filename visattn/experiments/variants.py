@@ -45,7 +45,7 @@ TUNING = (
     cluttered_digits("tune-scaled", train_size=4000, digit_size=24, digit_size_max=40, clutter_size=12,
                      clutter_count=24, placements=0, seed=1),
     cluttered_digits("tune-few", train_size=2000, digit_size=32, digit_size_max=0, clutter_size=16, clutter_count=16,
-                     placements=2, seed=2),
+                     placements=10, seed=2),
 )
 HELD_OUT = (
     cluttered_digits("held-dense", train_size=4000, digit_size=20, digit_size_max=36, clutter_size=10,

@@ -1,10 +1,9 @@
 """Patch embeddings: timm's ``PatchEmbed`` (one linear projection per patch) and a convolutional stem.
 
-A ViT trained from scratch on a few thousand images can sit at chance for many epochs before it learns
-anything (see the high-resolution recipes); replacing the patch projection by a few stride-2 3x3
-convolutions, each followed by batch norm and ReLU, and a last 1x1 convolution to the token width, makes
-its optimisation far less sensitive to learning rate and schedule (Xiao et al. 2021, "Early convolutions
-help transformers see better"). :class:`ConvPatchEmbed` is that stem behind timm's ``PatchEmbed``
+Replacing a ViT's patch projection by a few stride-2 3x3 convolutions, each followed by batch norm and
+ReLU, and a last 1x1 convolution to the token width makes its optimisation less sensitive to learning rate
+and schedule (Xiao et al. 2021, "Early convolutions help transformers see better"); what it does for the
+high-resolution recipes is measured on the dated results pages. :class:`ConvPatchEmbed` is that stem behind timm's ``PatchEmbed``
 interface, passed to timm's ``VisionTransformer`` as ``embed_layer``::
 
     model = timm.create_model("visattn_vit_tiny_patch16", attn="linear", embed_layer=ConvPatchEmbed)
@@ -42,7 +41,7 @@ class ConvPatchEmbed(PatchEmbed):
     """``PatchEmbed`` whose ``proj`` is a convolutional stem with the same total stride, ``patch_size``.
 
     Channels double at each stride-2 convolution and reach ``embed_dim`` at the last of them (for 3 steps
-    and width 192: 48, 96, 192), as in Xiao et al.; then a convolution with kernel = stride = the rest of the
+    and width 192: 48, 96, 192), as in Xiao et al., never below 8; then a convolution with kernel = stride = the rest of the
     patch (1x1 for a power-of-2 patch) gives the tokens. Input (B, C, H, W) -> (B, H/p * W/p, embed_dim)
     like ``PatchEmbed``.
 
@@ -76,6 +75,14 @@ class ConvPatchEmbed(PatchEmbed):
 
 
 STEMS: dict[str, type[PatchEmbed]] = {"patch": PatchEmbed, "conv": ConvPatchEmbed}
+
+
+def check_stem(name: str, pretrained: bool) -> None:
+    """ValueError for an unknown stem, or a conv stem asked for pretrained weights (published ViTs have a patch
+    projection, whose weights a stem cannot take)."""
+    get_stem(name)
+    if pretrained and name != "patch":
+        raise ValueError(f"stem {name!r} has no pretrained weights (they are for the patch projection); use stem 'patch'")
 
 
 def get_stem(name: str) -> type[PatchEmbed]:

@@ -25,7 +25,7 @@ import torch
 from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from visattn.layers.patch_embed import get_stem
+from visattn.layers.patch_embed import check_stem, get_stem
 from visattn.models.auto import check_auto_batch_size, select_attention
 from visattn.models.convert import CARRIED_MODULES, TIMM_ATTENTION, convert, keep_timm_attention
 from visattn.models.shapes import MODEL_SHAPES
@@ -63,6 +63,7 @@ def create_model(
     """
     attn_kwargs = dict(attn_kwargs or {})
     check_auto_batch_size(attn, auto_batch_size)
+    check_stem(stem, pretrained)
     if model_name in MODEL_SHAPES:
         return timm.create_model(
             model_name, pretrained=pretrained, attn=attn, attn_kwargs=attn_kwargs, auto_batch_size=auto_batch_size,

@@ -30,7 +30,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from visattn.layers.patch_embed import get_stem
+from visattn.layers.patch_embed import check_stem, get_stem
 from visattn.models.auto import check_auto_batch_size, select_attention
 from visattn.models.convert import TIMM_ATTENTION, convert, keep_timm_attention
 from visattn.models.shapes import MODEL_SHAPES
@@ -71,6 +71,7 @@ def _create_visattn_vit(
             f"{variant}: choose the attention with attn= (a name of visattn.list_attentions()), not attn_layer="
         )
     check_auto_batch_size(attn, auto_batch_size)
+    check_stem(stem, pretrained)
     attn_kwargs = dict(attn_kwargs or {})
 
     def build(**model_kwargs: Any) -> VisionTransformer:

@@ -107,8 +107,8 @@ class TrainConfig:
     stem: str = field(
         default="patch",
         metadata=_help("patch embedding: patch (timm's, one linear projection per patch) or conv (stride-2 3x3 "
-                       "convolutions with batch norm and ReLU, then 1x1: far fewer epochs at chance from scratch on "
-                       "small data)"),
+                       "convolutions with batch norm and ReLU, then 1x1, the same patch size; for training from "
+                       "scratch)"),
     )
     embed_dim: int = field(default=64, metadata=_help("token width"))
     depth: int = field(default=4, metadata=_help("number of blocks"))
@@ -258,7 +258,7 @@ MODEL_SHAPE_KEYS = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio"
 # Model keywords that come from their own config keys or from the dataset (num_classes).
 _OWN_MODEL_KEYS = frozenset(
     {"attn", "attn_kwargs", "img_size", "patch_size", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
-     "global_pool", "class_token", "drop_path_rate", "pretrained", "auto_batch_size", "stem", "embed_layer"}
+     "global_pool", "class_token", "drop_path_rate", "pretrained", "auto_batch_size", "stem"}
 )
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(TrainConfig)
 
@@ -379,6 +379,8 @@ def check_values(config: TrainConfig) -> None:
     overlap = sorted(set(config.model_kwargs) & _OWN_MODEL_KEYS)
     if overlap:
         raise ConfigError(f"model_kwargs: {', '.join(overlap)} set by their own config keys (or the dataset); set them there")
+    if "embed_layer" in config.model_kwargs:
+        raise ConfigError(f"model_kwargs: embed_layer is chosen by stem, one of {', '.join(STEMS)}; set stem")
 
 
 def _choice(key: str, value: str, accepted: typing.Iterable[str]) -> None:
