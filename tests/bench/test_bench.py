@@ -1,10 +1,10 @@
 """visattn-bench end to end at tiny sizes, the FLOP formulas, the exponent fit, crossovers and attn='auto'."""
 from __future__ import annotations
 
-import dataclasses
 
 import contextlib
 import csv
+import dataclasses
 import io
 import json
 import logging
@@ -468,23 +468,30 @@ def test_memory_estimate_orders(attn):
     assert estimate(1024, 1, False) < checkpointed < estimate(1024, 1, True)
 
 
-def test_a_conv_stem_adds_what_its_norms_keep_to_the_training_estimate():
-    """Patch 4, width 64, 128 px: convolutions to 32 x 64 x 64, 64 x 32 x 32, then the 1x1 to 64 x 32 x 32.
-    Training keeps both stride-2 outputs and both ReLU outputs: 2 (131,072 + 65,536) elements per image; in
-    inference the largest input + output is the second convolution's, 131,072 + 65,536."""
-    model = timm.create_model("visattn_vit_tiny_patch16", attn="floor", stem="conv", img_size=128, patch_size=4,
-                              embed_dim=64, depth=1, num_heads=2, num_classes=10)
+def _stem_extra(patch_size: int, img: int, training: bool, batch: int) -> int:
+    """Bytes the memory estimate adds for a conv stem over the same model with timm's patch projection."""
+    model = timm.create_model("visattn_vit_tiny_patch16", attn="floor", stem="conv", img_size=img,
+                              patch_size=patch_size, embed_dim=64, depth=1, num_heads=2, num_classes=10,
+                              class_token=False, global_pool="avg")
     with_stem = ViTShape.from_model(model)
     without = dataclasses.replace(with_stem, stem=())
-    assert len(with_stem.stem) == 3
+    return (estimate_memory(with_stem, (img, img), "floor", {}, batch, training, 4, 1000)
+            - estimate_memory(without, (img, img), "floor", {}, batch, training, 4, 1000))
 
-    def extra(training, batch):
-        return (estimate_memory(with_stem, (128, 128), "floor", {}, batch, training, 4, 1000)
-                - estimate_memory(without, (128, 128), "floor", {}, batch, training, 4, 1000))
 
-    assert extra(True, 3) == 3 * 4 * 2 * (131_072 + 65_536)
-    block_live = 6 * 1024 * 64  # the floor block's attention stage, the larger of its two: 393,216 elements
-    assert extra(False, 3) == 0 and (131_072 + 65_536) < block_live
+def test_a_conv_stem_adds_what_its_norms_keep_to_the_training_estimate():
+    """Patch 4, width 64, 128 px: convolutions to 32 x 64 x 64, 64 x 32 x 32, then the 1x1 to 64 x 32 x 32.
+    Training keeps both stride-2 outputs and both ReLU outputs: 2 (131,072 + 65,536) elements per image."""
+    assert _stem_extra(4, 128, True, 3) == 3 * 4 * 2 * (131_072 + 65_536)
+
+
+def test_a_conv_stem_counts_in_inference_where_its_live_set_is_the_largest():
+    """Inference holds the largest of the stem's live sets (a batch norm's input and output: 2 x 131,072 at
+    128 px, patch 4) and the block's (its MLP stage, 2 N C + 2 N C_mlp = 655,360 there, width 64, MLP 256): the
+    block's. At 256 px in 16 px patches the first batch norm's 2 x (8 x 128 x 128) = 262,144 elements exceed the
+    block's 2 x 256 x 64 + 2 x 256 x 256 = 163,840, and the estimate grows by the difference."""
+    assert _stem_extra(4, 128, False, 3) == 0
+    assert _stem_extra(16, 256, False, 2) == 2 * 4 * (262_144 - 163_840)
 
 
 # ---------------------------------------------------------------------------------------------------

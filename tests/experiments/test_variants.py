@@ -179,7 +179,7 @@ def test_a_table_per_variant_and_a_summary_row_per_variant_and_attention(tmp_pat
         "| held-big | held-out | floor | 60.00% (1) | 35 | 0 |",
     ]
     assert "[held-big](v-held-big.md)" in summary
-    assert "Every recipe decision is made on the tuning variants and reported on the held-out ones" in summary
+    assert "Recipe decisions are made on the tuning variants and reported on the held-out ones" in summary
     held_big = (tables / "v-held-big.md").read_text()
     assert held_big.splitlines()[2].startswith("| timm | 90.00% (1) | 2 |")
     assert "cluttered-digits variant held-big (options {'seed': 12, 'train_size': 3000" in held_big

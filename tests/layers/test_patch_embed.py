@@ -66,6 +66,12 @@ def test_a_patch_with_no_factor_of_two_is_one_line():
         ConvPatchEmbed(img_size=20, patch_size=5)
 
 
+@pytest.mark.parametrize("name", ["visattn_vit_tiny_patch16", "vit_tiny_patch16_224"])
+def test_the_models_take_the_stem_by_name_not_as_embed_layer(name):
+    with pytest.raises(ValueError, match=r"choose the patch embedding with stem= \(one of patch, conv\), not embed_layer="):
+        create_model(name, embed_layer=ConvPatchEmbed, pretrained=True)
+
+
 def test_an_unknown_stem_names_the_accepted_ones():
     with pytest.raises(ValueError, match="stem 'cnn' is not one of patch, conv"):
         get_stem("cnn")

@@ -128,15 +128,17 @@ def _stem_sizes(shape: ViTShape, img_size: tuple[int, int]) -> list[tuple[int, i
 
 def _stem_activations(shape: ViTShape, img_size: tuple[int, int]) -> tuple[int, int]:
     """Elements of one image a conv stem keeps for the backward (each stride-2 convolution's output, read by
-    its batch norm, and the ReLU's output), and the largest input + output of one of its convolutions (its
-    live set in inference); (0, 0) for timm's patch projection, whose input and output the model already counts."""
+    its batch norm, and the ReLU's output), and its largest live set in inference: a convolution's input and
+    output, or a batch norm's (not in place; the ReLU is). (0, 0) for timm's patch projection. The image itself,
+    the first convolution's input, is counted with the model's other per-image tensors."""
     if not shape.stem:
         return 0, 0
     sizes = _stem_sizes(shape, img_size)
     outputs = [conv.out_channels * h * w for conv, (h, w) in zip(shape.stem, sizes)]
-    inputs = [shape.stem[0].in_channels * img_size[0] * img_size[1], *outputs[:-1]]
+    inputs = [0, *outputs[:-1]]
     saved = sum(2 * out for out in outputs[:-1])
-    return saved, max(i + o for i, o in zip(inputs, outputs))
+    live = max(max(i + o for i, o in zip(inputs, outputs)), 2 * max(outputs[:-1]))
+    return saved, live
 
 
 def _stem_flops(shape: ViTShape, img_size: tuple[int, int]) -> list[int]:

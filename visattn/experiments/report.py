@@ -194,8 +194,8 @@ def variants_markdown(per_variant: list[tuple[Variant, list[RowResult]]], output
                          f"{_number(result.all_stages_s)} | {chance_cell(result)} |")
     tables = ", ".join(f"[{variant.name}]({variant_output(output, variant).name})" for variant, _ in per_variant)
     note = (
-        "Every recipe decision is made on the tuning variants and reported on the held-out ones, fixed before any "
-        "tuning (visattn/experiments/variants.py). Test accuracy of the weights chosen on validation; seconds: "
+        "Recipe decisions are made on the tuning variants and reported on the held-out ones, which are not changed "
+        "once a result on them has been seen (visattn/experiments/variants.py). Test accuracy of the weights chosen on validation; seconds: "
         "the wall time train.py recorded for each stage, summed over the stages, median over the seeds; "
         f"{CHANCE_NOTE}. "
         f"Each variant's own table, with speed and memory: {tables}."

@@ -1,9 +1,8 @@
 """Named variants of the cluttered-digits task, for judging a high-resolution recipe on data it was not tuned on.
 
 The rule: every recipe decision (stages, epochs, widths, attention options, learning rates) is made on the
-``TUNING`` variants and reported on the ``HELD_OUT`` ones. The held-out variants were fixed, with the tuning
-ones, before any tuning; a recipe that holds only on the data it was tuned on is reported as such, and a
-held-out variant is never changed after a result on it has been seen.
+``TUNING`` variants and reported on the ``HELD_OUT`` ones; a recipe that holds only on the data it was tuned
+on is reported as such, and a held-out variant is never changed after a result on it has been seen.
 
 Each variant is a set of ``dataset_kwargs`` of ``cluttered-digits`` (see
 :class:`visattn.train.generated.cluttered_digits.ClutteredDigitsOptions`), made for 128 px canvases (the

@@ -4,9 +4,10 @@ Replacing a ViT's patch projection by a few stride-2 3x3 convolutions, each foll
 ReLU, and a last 1x1 convolution to the token width makes its optimisation less sensitive to learning rate
 and schedule (Xiao et al. 2021, "Early convolutions help transformers see better"); what it does for the
 high-resolution recipes is measured on the dated results pages. :class:`ConvPatchEmbed` is that stem behind timm's ``PatchEmbed``
-interface, passed to timm's ``VisionTransformer`` as ``embed_layer``::
+interface; the visattn models take it by name, timm's own ``VisionTransformer`` as ``embed_layer``::
 
-    model = timm.create_model("visattn_vit_tiny_patch16", attn="linear", embed_layer=ConvPatchEmbed)
+    model = timm.create_model("visattn_vit_tiny_patch16", attn="linear", stem="conv")
+    model = timm.create_model("vit_small_patch16_224", embed_layer=ConvPatchEmbed)
 
 It subclasses ``PatchEmbed`` rather than using timm's ``HybridEmbed`` + ``ConvStem`` because those count the
 stem's stride as a feature ratio and set ``patch_size`` to 1, while every grid computation here (the
@@ -77,10 +78,13 @@ class ConvPatchEmbed(PatchEmbed):
 STEMS: dict[str, type[PatchEmbed]] = {"patch": PatchEmbed, "conv": ConvPatchEmbed}
 
 
-def check_stem(name: str, pretrained: bool) -> None:
-    """ValueError for an unknown stem, or a conv stem asked for pretrained weights (published ViTs have a patch
-    projection, whose weights a stem cannot take)."""
+def check_stem(name: str, pretrained: bool, model_kwargs: dict) -> None:
+    """ValueError for an unknown stem, an ``embed_layer`` keyword beside it (the stem names the patch embedding),
+    or a conv stem asked for pretrained weights (published ViTs have a patch projection, whose weights a stem
+    cannot take)."""
     get_stem(name)
+    if "embed_layer" in model_kwargs:
+        raise ValueError(f"choose the patch embedding with stem= (one of {', '.join(STEMS)}), not embed_layer=")
     if pretrained and name != "patch":
         raise ValueError(f"stem {name!r} has no pretrained weights (they are for the patch projection); use stem 'patch'")
 

@@ -63,7 +63,7 @@ def create_model(
     """
     attn_kwargs = dict(attn_kwargs or {})
     check_auto_batch_size(attn, auto_batch_size)
-    check_stem(stem, pretrained)
+    check_stem(stem, pretrained, kwargs)
     if model_name in MODEL_SHAPES:
         return timm.create_model(
             model_name, pretrained=pretrained, attn=attn, attn_kwargs=attn_kwargs, auto_batch_size=auto_batch_size,

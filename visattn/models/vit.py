@@ -71,7 +71,7 @@ def _create_visattn_vit(
             f"{variant}: choose the attention with attn= (a name of visattn.list_attentions()), not attn_layer="
         )
     check_auto_batch_size(attn, auto_batch_size)
-    check_stem(stem, pretrained)
+    check_stem(stem, pretrained, kwargs)
     attn_kwargs = dict(attn_kwargs or {})
 
     def build(**model_kwargs: Any) -> VisionTransformer:
