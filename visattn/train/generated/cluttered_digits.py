@@ -97,6 +97,11 @@ def canvases_of_class(split_size: int, label: int) -> int:
     return len(range(label, split_size, 10))
 
 
+def training_digits_needed(options: ClutteredDigitsOptions, label: int) -> int:
+    """With ``placements`` k: how many distinct training digits of ``label`` its k-canvas runs take."""
+    return math.ceil(canvases_of_class(options.train_size, label) / options.placements)
+
+
 @functools.lru_cache(maxsize=4)
 def training_sources(options: ClutteredDigitsOptions) -> tuple[np.ndarray, ...]:
     """With ``placements`` k: per class, the training digits the training split shows, in the order its
@@ -105,8 +110,7 @@ def training_sources(options: ClutteredDigitsOptions) -> tuple[np.ndarray, ...]:
     pool = pools["train"]
     rng = split_rng(options.seed, "train")
     return tuple(
-        rng.choice(pool[labels[pool] == label], replace=False,
-                   size=math.ceil(canvases_of_class(options.train_size, label) / options.placements))
+        rng.choice(pool[labels[pool] == label], replace=False, size=training_digits_needed(options, label))
         for label in range(10)
     )
 
@@ -144,7 +148,7 @@ def check_options(options: ClutteredDigitsOptions, image_hw: tuple[int, int]) ->
         _, labels, pools = source_digits(options.digit_size)
         held = np.bincount(labels[pools["train"]], minlength=10)
         for label in range(10):
-            needed = math.ceil(canvases_of_class(options.train_size, label) / options.placements)
+            needed = training_digits_needed(options, label)
             if needed > held[label]:
                 raise ValueError(
                     f"dataset_kwargs: cluttered-digits option placements: {options.placements} canvases per digit "
