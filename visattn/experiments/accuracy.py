@@ -69,7 +69,7 @@ from pathlib import Path
 import visattn
 from visattn.experiments.execute import choose_action, duration, eta_seconds, execute
 from visattn.experiments.plan import (
-    REPO, TABLE_FLAGS, Grid, Row, Run, all_runs, expected_config, parse_rows, plan, run_name, stage_words,
+    REPO, TABLE_FLAGS, Grid, Row, Run, all_runs, expected_config, flag_names, parse_rows, plan, run_name, stage_words,
     train_flags_problem,
 )
 from visattn.experiments.report import command_line, variant_output, write_accuracy, write_variants
@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         parser.error(f"--seeds: each seed once, got {' '.join(map(str, args.seeds))}")
     if args.epochs is not None and args.epochs < 1:
         parser.error(f"--epochs: must be >= 1, got {args.epochs}")
-    taken = sorted({arg.partition("=")[0] for arg in train_args} & set(TABLE_FLAGS))
+    taken = sorted(flag_names(train_args) & set(TABLE_FLAGS))
     if taken:
         parser.error(f"after --: {', '.join(taken)} set by the table for each run; use --attn ROW and --seeds")
     problem = train_flags_problem(train_args)
@@ -144,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if args.variants:
         stages = [(f"--stage {number}", words) for number, words in enumerate(args.stage_flags, start=1)]
         for where, words in [("after --", train_args), *stages]:
-            if any(word.partition("=")[0] == "--dataset-kwargs" for word in words):
+            if "--dataset-kwargs" in flag_names(words):
                 parser.error(f"{where}: --dataset-kwargs is set by --variants in every stage; leave it out")
     if not args.output.endswith(".md"):
         parser.error(f"--output: a markdown file name ending in .md, got {args.output!r}")

@@ -72,6 +72,11 @@ def run_folder(seed: int, stage: int | None = None) -> str:
     return f"seed{seed}" if stage is None else f"seed{seed}-stage{stage}"
 
 
+def flag_names(words: list[str]) -> set[str]:
+    """The flags among train.py ``words``, with any ``=VALUE`` cut off (``--epochs=4`` -> ``--epochs``)."""
+    return {word.partition("=")[0] for word in words}
+
+
 def train_flags_problem(words: list[str]) -> str | None:
     """Why train.py would not take ``words`` as its flags (None if it would), abbreviations refused: the table
     recognises the flags it sets by their full names."""
@@ -95,7 +100,7 @@ def stage_words(text: str, fail: Callable[[str], NoReturn]) -> list[str]:
         fail(f"{error}; {example}")
     if not words:
         fail(f"empty; {example}")
-    taken = sorted({word.partition("=")[0] for word in words} & set(STAGE_FLAGS))
+    taken = sorted(flag_names(words) & set(STAGE_FLAGS))
     if taken:
         fail(f"{', '.join(taken)} set by the table for each stage; {example}")
     problem = train_flags_problem(words)
