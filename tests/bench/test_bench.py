@@ -9,7 +9,10 @@ import io
 import json
 import logging
 import math
+import os
 import re
+import signal
+from unittest import mock
 
 import pytest
 import timm
@@ -168,6 +171,50 @@ def test_worker_failures_are_reported_in_their_rows():
     assert broken.status == "error" and "ValueError" in broken.message and "k must be" in broken.message
     assert fine.status == "ok" and len(fine.times) == 2 and fine.peak_bytes > 0
     assert huge.step_time is None and broken.samples_per_sec is None
+
+
+def test_a_terminated_sweep_writes_what_it_measured(tmp_path, monkeypatch):
+    """SIGTERM (what ``timeout`` sends) during the second size: the first size's rows keep their
+    measurements, the rest read "stopped", the reports are written and the exit status is 128 + 15."""
+    measure = cli.measure
+    calls = []
+
+    def measure_then_terminate(group, *args):
+        calls.append(group)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        measure(group, *args)
+
+    monkeypatch.setattr(cli, "measure", measure_then_terminate)
+    with pytest.raises(SystemExit) as stopped, contextlib.redirect_stdout(io.StringIO()):
+        cli.main(TINY_MODEL + FAST + ["--attn", "linear", "--sizes", "32", "64", "--modes", "infer", "--out", str(tmp_path)])
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was the sweep's only
+    rows = {(r["attn"], r["infer_img_size"]): r for r in _read_csv(tmp_path / "bench.csv")}
+    assert len(rows) == 6
+    for attn in ("timm", "floor", "linear"):
+        assert rows[attn, "32"]["infer_status"] == "ok" and float(rows[attn, "32"]["infer_samples_per_sec"]) > 0
+        assert rows[attn, "64"]["infer_status"].startswith("stopped: the sweep was stopped after 0 timed step(s)")
+    assert "stopped" in (tmp_path / "bench.md").read_text()
+
+
+def test_an_interrupted_group_kills_its_workers_mid_step(monkeypatch):
+    """Ctrl-C while a worker steps: every worker of the group is ended at once, not after its step."""
+    ask = timing._Worker.ask
+    workers = []
+
+    def ask_then_interrupt(self, request):
+        workers.append(self)
+        if request == "step":
+            self.conn.send("step")  # the worker is now mid-step
+            raise KeyboardInterrupt
+        return ask(self, request)
+
+    monkeypatch.setattr(timing._Worker, "ask", ask_then_interrupt)
+    results = plan_model_sweep(cli._parse(TINY_MODEL + FAST + ["--attn", "linear", "--sizes", "32", "--modes", "infer"]))[0]
+    with pytest.raises(KeyboardInterrupt):
+        timing.measure(results, timing.Timing(0, 1, 0.0, 1.0, 0.0), 10**12, 10**12, mock.MagicMock())
+    assert workers and all(w.process.exitcode == -signal.SIGKILL for w in workers)
 
 
 def test_bad_arguments_exit_with_a_message(capsys):

@@ -266,15 +266,29 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def mark_unfinished(results: list[Result]) -> None:
+    """After a stopped sweep: every row still "ok" without its peak memory (its worker never finished) is
+    marked "stopped", its steps timed so far kept in the CSV but not reported as a speed."""
+    for r in results:
+        if r.status == "ok" and r.peak_bytes is None:
+            r.status = "stopped"
+            r.message = f"the sweep was stopped after {len(r.times)} timed step(s) of this row"
+
+
 def run(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
     """Plan, measure, write the outputs; returns the results and the summary."""
     plan = plan_ops_sweep(args) if args.ops else plan_model_sweep(args)
     settle = settle_on(torch.device(args.device), args.settle)
     timing = Timing(args.warmup, args.min_iters, args.min_seconds, args.max_seconds, settle)
-    with tqdm(total=sum(len(g) for g in plan), unit="config", file=sys.stderr, dynamic_ncols=True) as progress:
-        for group in plan:
-            measure(group, timing, args.max_memory_bytes, args.capacity_bytes, progress)
     results = [r for group in plan for r in group]
+    stopped: BaseException | None = None
+    try:
+        with tqdm(total=len(results), unit="config", file=sys.stderr, dynamic_ncols=True) as progress:
+            for group in plan:
+                measure(group, timing, args.max_memory_bytes, args.capacity_bytes, progress)
+    except (KeyboardInterrupt, SystemExit) as stop:  # the reports keep what was measured before the stop
+        stopped = stop
+        mark_unfinished(results)
     summary = summarize(results, args.fit_points)
     verdicts = None if args.ops else check_targets(results)
     report = markdown_report(results, summary, args.fit_points, verdicts)
@@ -298,6 +312,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
             low, high = entry["tokens"]
             print(f"  batch {batch_size}: {steps} (measured from {low} to {high} tokens)")
     print(f"wrote {stem}.csv, {stem}.md, {stem}.png, {stem}_summary.json in {args.out}", file=sys.stderr)
+    if stopped is not None:
+        raise stopped
     return results, summary
 
 
@@ -389,5 +405,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             signal.signal(signal.SIGTERM, previous)
         return 0
-    run(_parse(argv))
+    args = _parse(argv)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a terminated sweep writes what it measured
+    try:
+        run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0

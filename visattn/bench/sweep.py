@@ -71,7 +71,7 @@ class Result:
     flops: int  # per image (per batch element for an op), this case's mode
     estimate_bytes: int
     param_count: int
-    status: str = "ok"  # ok | skipped | oom | error
+    status: str = "ok"  # ok | skipped | oom | error | stopped
     message: str = ""
     times: list[float] = field(default_factory=list)  # seconds of each timed step
     rounds: list[int] = field(default_factory=list)  # the interleaved round of each timed step (its serial)

@@ -218,52 +218,58 @@ def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None
     """Run the workers of ``results`` together in interleaved rounds; fill in the results."""
     with _worker_environment():
         workers = [_Worker(process_context(), r) for r in results]
-    live: list[_Worker] = []
-    for w in workers:
-        reply = w.ask(None)
-        if reply[0] == "ready":
-            w.result.param_count, w.result.build_bytes = reply[1], reply[2]
-            live.append(w)
-        else:
-            w.fail(*reply[1:])
-
-    rest = 0.0  # before each step, as long as the previous step took, at most timing.settle
-
-    def run_round(rows: list[_Worker], timed: bool) -> None:
-        nonlocal rest
-        serial = next(_ROUND_SERIALS)
-        for w in rows:
-            time.sleep(rest)
-            reply = w.ask("step")
-            if reply[0] == "time":
-                rest = min(timing.settle, reply[1])
-                if timed:
-                    w.timed.append(reply[1])
-                    w.result.times.append(reply[1])
-                    w.result.rounds.append(serial)
+    try:
+        live: list[_Worker] = []
+        for w in workers:
+            reply = w.ask(None)
+            if reply[0] == "ready":
+                w.result.param_count, w.result.build_bytes = reply[1], reply[2]
+                live.append(w)
             else:
                 w.fail(*reply[1:])
-                live.remove(w)
 
-    label = f"{results[0].case.size_label} batch {results[0].case.batch_size}"
-    for r in range(timing.warmup):
-        progress.set_description(f"{label} warm-up {r + 1}/{timing.warmup}")
-        run_round(list(live), timed=False)
-    rounds = 0
-    while pending := [w for w in live if timing.needs_more(w.timed)]:
-        rounds += 1
-        progress.set_description(f"{label} round {rounds}")
-        # floor steps in every round, so that every row's ratio to it has as many rounds as the row; the
-        # rounds go on while any row, floor included, needs more steps
-        run_round([w for w in live if w in pending or w.result.case.attn == FLOOR], timed=True)
-    for w in live:
-        reply = w.ask("finish")
-        if reply[0] == "peak":
-            w.result.peak_bytes = reply[1]
-        else:
-            w.fail(*reply[1:])
-    for w in workers:
-        w.close()
+        rest = 0.0  # before each step, as long as the previous step took, at most timing.settle
+
+        def run_round(rows: list[_Worker], timed: bool) -> None:
+            nonlocal rest
+            serial = next(_ROUND_SERIALS)
+            for w in rows:
+                time.sleep(rest)
+                reply = w.ask("step")
+                if reply[0] == "time":
+                    rest = min(timing.settle, reply[1])
+                    if timed:
+                        w.timed.append(reply[1])
+                        w.result.times.append(reply[1])
+                        w.result.rounds.append(serial)
+                else:
+                    w.fail(*reply[1:])
+                    live.remove(w)
+
+        label = f"{results[0].case.size_label} batch {results[0].case.batch_size}"
+        for r in range(timing.warmup):
+            progress.set_description(f"{label} warm-up {r + 1}/{timing.warmup}")
+            run_round(list(live), timed=False)
+        rounds = 0
+        while pending := [w for w in live if timing.needs_more(w.timed)]:
+            rounds += 1
+            progress.set_description(f"{label} round {rounds}")
+            # floor steps in every round, so that every row's ratio to it has as many rounds as the row; the
+            # rounds go on while any row, floor included, needs more steps
+            run_round([w for w in live if w in pending or w.result.case.attn == FLOOR], timed=True)
+        for w in live:
+            reply = w.ask("finish")
+            if reply[0] == "peak":
+                w.result.peak_bytes = reply[1]
+            else:
+                w.fail(*reply[1:])
+    except BaseException:  # interrupted (Ctrl-C, a terminating signal): end the workers now, mid-step too
+        for w in workers:
+            w.process.kill()
+        raise
+    finally:
+        for w in workers:
+            w.close()
 
 
 def worker_groups(runnable: list[Result], capacity: int) -> tuple[list[list[Result]], list[Result]]:
