@@ -4,7 +4,7 @@
 
 The page holds the machine (GPU, driver, Python, torch, CUDA, timm, accelerate), every command with its exit
 status and time, the cuda tests' summary line, each benchmark table as the benchmark wrote it, and the
-training run's loader and step speeds, peak memory and accuracy. It copies figures, never edits them.
+training run's loader and step speeds, peak memory and accuracy, and the kernel profiles. It copies figures, never edits them.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import json
 import re
 from pathlib import Path
 
-BENCH_STAGES = ("infer_2048", "infer_1024", "infer_224", "train_1024", "train_2048", "max_tokens")
+BENCH_STAGES = ("infer_2048", "infer_1024", "train_1024", "infer_224", "train_2048")
+PROFILE_STAGES = ("profile_2048", "profile_224")
 
 
 def _read(path: Path) -> str:
@@ -27,7 +28,7 @@ def _tail_line(log: str, pattern: str) -> str:
 
 def _bench_section(stage_dir: Path) -> list[str]:
     """The benchmark's own markdown, its title demoted under the stage's heading."""
-    text = _read(stage_dir / "bench.md") or _read(stage_dir / "maxlen.md")
+    text = _read(stage_dir / "bench.md")
     if not text:
         return ["No table: the stage did not finish (see its exit status above).", ""]
     return [re.sub(r"^(#+)", r"#\1", line) for line in text.splitlines()] + [""]
@@ -53,7 +54,9 @@ def _run_section(out: Path) -> list[str]:
 def report(out: Path, commit: str) -> str:
     environment = _read(out / "environment.txt").strip().splitlines()
     commands = _read(out / "commands.txt").strip()
-    tests = _tail_line(_read(out / "cuda_tests.log"), r"(passed|failed|error)")
+    test_log = _read(out / "cuda_tests.log")
+    tests = _tail_line(test_log, r"(passed|failed|error)")
+    failures = [line.strip() for line in test_log.splitlines() if re.match(r"(FAILED|ERROR) ", line)]
     lines = [
         f"# GPU check, {environment[0][:10] if environment else 'date unknown'}",
         "",
@@ -70,11 +73,18 @@ def report(out: Path, commit: str) -> str:
         "",
         f"`{tests}`",
         "",
+        *[f"- `{line}`" for line in failures],
+        *([""] if failures else []),
     ]
     for stage in BENCH_STAGES:
         if (out / stage).is_dir() or (out / f"{stage}.log").is_file():
             lines += [f"## {stage}", "", *_bench_section(out / stage)]
     lines += ["## Training run at 4,096 tokens", "", *_run_section(out)]
+    for stage in PROFILE_STAGES:
+        log = _read(out / f"{stage}.log")
+        if log:
+            kept = [line for line in log.splitlines() if not re.search(r"warn|Warning|^USDT:", line)]
+            lines += [f"## {stage}", "", "```", *kept, "```", ""]
     return "\n".join(lines)
 
 

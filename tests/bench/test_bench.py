@@ -648,21 +648,22 @@ def test_patch_size_of_names():
         auto.patch_size_of("resnet50")
 
 
-@pytest.mark.parametrize("whole_model", [False, True])
-def test_profile_block_script_reports_each_type(capsys, whole_model):
+@pytest.mark.parametrize("whole_model, dtype", [(False, "fp32"), (True, "fp32"), (False, "bf16")])
+def test_profile_block_script_reports_each_type(capsys, whole_model, dtype):
     """scripts/profile_block.py: one line of time against floor, then the top operators beside floor's, per type."""
     module = load_script("profile_block")
-    argv = ["--attn", "linear", "axial", "--size", "64", "--repeats", "1", "--top", "100"]
+    argv = ["--attn", "linear", "axial", "--size", "64", "--repeats", "1", "--top", "100", "--dtype", dtype]
     assert module.main(argv + ["--whole-model"] * whole_model) == 0
     out = capsys.readouterr().out
     unit = "model" if whole_model else "block"
-    assert out.startswith(f"visattn_vit_small_patch16 {'the whole model' if whole_model else 'block 0'} at 64 px")
+    assert out.startswith(f"visattn_vit_small_patch16 {'the whole model' if whole_model else 'block 0'} at 64 px, batch 1, infer, {dtype}")
     for attn in ("linear", "axial"):
         lines = r"(  \S+ +[\d.]+ ms +\d+ +[\d.]+ ms +\d+\n){2}"
         assert re.search(rf"## {attn}: [\d.]+ ms per {unit}, floor [\d.]+ ms: \d+% of floor\n  operator .+\n{lines}", out)
     # floor's linear layers, in its column: 4 per block (qkv, proj, two in the MLP); the model has 12 blocks and the head
+    # (autocast dispatches each aten::linear twice: once to cast, once to run)
     floor_calls = [int(calls) for calls in re.findall(r"\n  aten::linear +[\d.]+ ms +\d+ +[\d.]+ ms +(\d+)\n", out)]
-    assert floor_calls == [4 * 12 + 1 if whole_model else 4] * 2
+    assert floor_calls == [(4 * 12 + 1 if whole_model else 4) * (2 if dtype == "bf16" else 1)] * 2
 
 
 def test_crossover_not_reached_names_the_largest_size_of_its_mode():

@@ -13,7 +13,11 @@ def test_the_page_copies_the_machine_commands_tests_tables_and_run(tmp_path):
         "2026-11-27T06:50:13Z\nNVIDIA H200, 143771 MiB, 580.159.04\npython 3.12.3 torch 2.11.0+cu130 cuda 13.0\n"
     )
     (tmp_path / "commands.txt").write_text("== infer_2048 (06:51:31, limit 75s): python3 -m visattn.bench ...\n")
-    (tmp_path / "cuda_tests.log").write_text("....\n12 passed, 2170 deselected in 70.01s\n")
+    (tmp_path / "cuda_tests.log").write_text(
+        "tests/ops/test_cuda.py::test_a PASSED\nFAILED tests/ops/test_cuda.py::test_b - AssertionError: out\n"
+        "== 1 failed, 11 passed, 2170 deselected in 70.01s ==\n"
+    )
+    (tmp_path / "profile_2048.log").write_text("block 0 at 2048 px\nUserWarning: something\nUSDT:2026-11-27 profiler_start\n## linear: 1.00 ms per block\n")
     (tmp_path / "infer_2048").mkdir()
     (tmp_path / "infer_2048" / "bench.md").write_text("# visattn-bench: title\n\n| attn | images/s |\n|---|---|\n| linear | 41.5 |\n")
     (tmp_path / "run_linear_4096").mkdir()
@@ -25,7 +29,9 @@ def test_the_page_copies_the_machine_commands_tests_tables_and_run(tmp_path):
     assert page.startswith("# GPU check, 2026-11-27\n")
     assert "NVIDIA H200, 143771 MiB, 580.159.04; python 3.12.3 torch 2.11.0+cu130 cuda 13.0. Commit: `abc1234`." in page
     assert "python3 -m visattn.bench ..." in page
-    assert "`12 passed, 2170 deselected in 70.01s`" in page
+    assert "`== 1 failed, 11 passed, 2170 deselected in 70.01s ==`" in page
+    assert "- `FAILED tests/ops/test_cuda.py::test_b - AssertionError: out`" in page
+    assert "## profile_2048\n\n```\nblock 0 at 2048 px\n## linear: 1.00 ms per block\n```" in page
     assert "## infer_2048\n\n## visattn-bench: title" in page and "| linear | 41.5 |" in page
     assert "- loader alone: `loader alone: 4463 img/s per process over 8 batches of 64 to cuda`" in page
     assert "- epoch 1: 513 img/s, peak 18287 MiB (cuda_allocated), val acc 10.0%" in page
