@@ -1,5 +1,6 @@
 """Every op on a GPU, on every path it can take there, against its naive twin: outputs and the gradients
-of q, k and v, in fp32 (batch 1) and bf16 (batch 3), on an odd, non-square grid with prefix tokens.
+of q, k and v (outputs alone for a path taken only without autograd), in fp32 (batch 1) and bf16
+(batch 3), on an odd, non-square grid with prefix tokens.
 
 The twin runs in fp64 on the same GPU, fed the same rounded inputs. The local ops' FlexAttention kernel
 is compiled per shape, so it runs in bf16 here and in both dtypes in ``tests/ops/local/test_flex.py``.
@@ -37,6 +38,7 @@ class OpCase:
     fast: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     naive: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    grad: bool = True  # False: the output alone, computed without autograd (paths taken only then)
 
 
 def _gamma() -> torch.Tensor:
@@ -73,6 +75,8 @@ def _cases() -> list[OpCase]:
     for backend in (None, "plain", "plain_checkpoint"):
         cases.append(OpCase(f"linear-{backend or 'chosen'}", lambda q, k, v, b=backend: ops.linear_attn(q, k, v, backend=b),
                             lambda q, k, v: ops.naive_linear_attn(q, k, v)))
+    cases.append(OpCase("linear-plain-inference", lambda q, k, v: ops.linear_attn(q, k, v, backend="plain"),
+                        lambda q, k, v: ops.naive_linear_attn(q, k, v), dtypes=(torch.bfloat16,), grad=False))
     for backend in (None, "rerun", "autograd"):
         cases.append(OpCase(
             f"decayed_linear-{backend or 'chosen'}",
@@ -94,7 +98,10 @@ CASES = _cases()
 PARAMS = [pytest.param(case, dtype, id=f"{case.name}-{str(dtype)[6:]}") for case in CASES for dtype in case.dtypes]
 
 
-def _run(fn, inputs, cotangent):
+def _run(fn, inputs, cotangent, grad=True):
+    if not grad:
+        with torch.no_grad():
+            return fn(*inputs), []
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves)
     out.backward(cotangent.to(out.dtype))
@@ -109,9 +116,9 @@ def test_op_on_cuda_matches_its_naive_twin(case, dtype):
     q, k, v = (torch.randn(BATCH[dtype], HEADS, n, HEAD_DIM, device="cuda", generator=gen).to(dtype) for _ in range(3))
     cotangent = torch.randn(q.shape, device="cuda", generator=gen, dtype=torch.float64)
     expected, expected_grads = _run(case.naive, [t.double() for t in (q, k, v)], cotangent)
-    out, grads = _run(case.fast, [q, k, v], cotangent)
+    out, grads = _run(case.fast, [q, k, v], cotangent, case.grad)
     assert out.dtype == dtype and out.is_cuda
     out_tol, grad_tol = TOLERANCES[dtype]
     assert_rms_close(out, expected, out_tol, "out")
-    for name, g, g_ref in zip("qkv", grads, expected_grads):
+    for name, g, g_ref in zip("qkv", grads, expected_grads if case.grad else []):
         assert_rms_close(g, g_ref, grad_tol, f"d{name}")

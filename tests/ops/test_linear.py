@@ -5,6 +5,7 @@ from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
 from visattn.ops.backends import force_backend
 from visattn.ops.linear import FEATURE_MAPS, blocked, fused_qkv_linear_attn, packed_linear_attn
+from visattn.ops.linear.plain import KV_CHUNK
 from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
 
 SHAPES = [(1, 1, 5, 4), (2, 3, 37, 8), (1, 2, 130, 16)]  # N not a multiple of any chunk size used below
@@ -394,3 +395,22 @@ def test_fp16_sums_over_65536_tokens_do_not_overflow(backend):
     reference = (phi_q @ (phi_k.transpose(-2, -1) @ vd)) / (phi_q @ phi_k.sum(-2, keepdim=True).transpose(-2, -1))
     assert half.dtype == torch.float16 and torch.isfinite(half).all()
     torch.testing.assert_close(half.double(), reference, rtol=2**-11 + 2**-16, atol=0)
+
+
+@pytest.mark.parametrize("n", [37, 2 * KV_CHUNK + 37])
+def test_bf16_inference_runs_in_bf16_within_its_roundings(n):
+    """bf16 q, k, v without autograd: the plain path runs its matmuls in bf16. Its result rounds phi(q),
+    phi(k), the chunks' partial sums, the numerator, the normalizer and the quotient to bf16, each within
+    u = 2^-8 relative: 8 u covers them. With autograd the same call takes the fp32 sums (another result)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=gen).bfloat16() for _ in range(3))
+    out = ops.linear_attn(q, k, v, backend="plain")
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    phi_q, phi_k = (torch.nn.functional.elu(t) + 1 for t in (qd, kd))
+    expected = (phi_q @ (phi_k.transpose(-2, -1) @ vd)) / (phi_q @ phi_k.sum(-2, keepdim=True).transpose(-2, -1))
+    assert out.dtype == torch.bfloat16
+    assert_rms_close(out, expected, 8 * 2**-8, "bf16 path")
+    with_grad = ops.linear_attn(q.requires_grad_(True), k, v, backend="plain").detach()
+    assert_rms_close(with_grad, expected, 2 * 2**-8, "fp32 sums, rounded once to bf16")
+    assert not torch.equal(out, with_grad)
+

@@ -3,8 +3,10 @@ that runs where the blocked autograd of :mod:`visattn.ops.linear.blocked` is not
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
+from visattn.ops.backends import needs_autograd
 from visattn.ops.checks import check_qkv
 from visattn.ops.linear.feature_maps import get_feature_map
 from visattn.ops.rope import apply_rope
@@ -29,13 +31,18 @@ def plain_linear_attn(
     rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``phi(q) (phi(k)^T [v, 1])``, normalised: q, k, v (B, heads, N, d) -> (B, heads, N, d) in v's dtype,
-    computed in fp32. Autograd stores the feature maps (N d per tensor).
+    computed in fp32; bf16 inputs without rope and without autograd in bf16 (:func:`bf16_linear_attn`).
+    Autograd stores the feature maps (N d per tensor).
 
     With a ``rope`` table (:mod:`visattn.ops.rope`), ``R phi(q) ((R phi(k))^T v) / (phi(q) phi(k)^T 1)``:
     the rotated features in the numerator, the unrotated ones in the normalizer, still O(N d^2)."""
     check_qkv(q, k, v, "plain_linear_attn")
     phi = get_feature_map(feature_map)
     with torch.autocast(device_type=q.device.type, enabled=False):
+        # with autograd the sums stay fp32: gradients that cancel (the normalization makes phi(q)'s scale
+        # and a shift shared by all values irrelevant) would keep bf16's rounding of each term
+        if rope is None and q.dtype == k.dtype == v.dtype == torch.bfloat16 and not needs_autograd(q, k, v):
+            return bf16_linear_attn(q, k, v, phi, eps)
         qf, kf, vf = phi(q.float()), phi(k.float()), v.float()
         if rope is None:
             kv_sum = kf.transpose(-2, -1) @ with_ones_column(vf)  # (B, h, d, e + 1)
@@ -45,6 +52,31 @@ def plain_linear_attn(
         den = qf @ kf.sum(dim=-2).unsqueeze(-1)  # (B, h, N, 1)
         out = (apply_rope(qf, rope) @ kv) / den.clamp_min(eps)
     return out.to(v.dtype)
+
+
+# Tokens per partial sum of phi(k)^T v in bf16_linear_attn. One (d x N) @ (N x d) product per head runs
+# its long reduction in a few thread blocks; cut into chunks, the products fill the GPU, and the partial
+# sums are added in fp32.
+KV_CHUNK = 1024
+
+
+def bf16_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi, eps: float) -> torch.Tensor:
+    """:func:`plain_linear_attn` on bf16 q, k, v (B, heads, N, d), with no fp32 copy of them: the feature
+    maps in bf16, the matmuls in bf16 (each accumulating in fp32), phi(k)^T v summed over chunks of
+    :data:`KV_CHUNK` tokens and those partial sums, and the normalizer's, added in fp32. bf16 has fp32's
+    range, so no sum overflows; each result is rounded to bf16 once more than on the fp32 path."""
+    qf, kf = phi(q), phi(k)  # (B, h, N, d) bf16
+    n = k.shape[-2]
+    whole = n - n % KV_CHUNK
+    kv = kf[..., whole:, :].transpose(-2, -1).float() @ v[..., whole:, :].float()  # (B, h, d, e) fp32: the tail
+    if whole:
+        chunks_k = rearrange(kf[..., :whole, :], "b h (c t) d -> b h c d t", t=KV_CHUNK)
+        chunks_v = rearrange(v[..., :whole, :], "b h (c t) e -> b h c t e", t=KV_CHUNK)
+        kv = kv + (chunks_k @ chunks_v).sum(2, dtype=torch.float32)  # (B, h, c, d, e) partial sums
+    k_sum = kf.sum(-2, dtype=torch.float32)  # (B, h, d)
+    numerator = qf @ kv.to(q.dtype)  # (B, h, N, e)
+    normalizer = qf @ k_sum.to(q.dtype).unsqueeze(-1)  # (B, h, N, 1)
+    return (numerator / normalizer.clamp_min(eps)).to(v.dtype)
 
 
 def checkpointed_plain_linear_attn(
