@@ -112,6 +112,7 @@ def flex_layout(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_v
     # the patch slots: tile (i, j) in raster order of tiles, its cells in raster order inside it
     y = rearrange(torch.arange(nth * th, device=device), "(ti r) -> ti 1 r 1", r=th).expand(nth, ntw, th, tw).flatten()
     x = rearrange(torch.arange(ntw * tw, device=device), "(tj c) -> 1 tj 1 c", c=tw).expand(nth, ntw, th, tw).flatten()
+    real = (y < H) & (x < W)
     yc, xc = y.clamp_max(H - 1), x.clamp_max(W - 1)
     prefix_pad = torch.zeros(prefix_slots - p, dtype=torch.long, device=device)  # repeats token 0, never a key
     slot_token = torch.cat([torch.arange(p, device=device), prefix_pad, p + yc * W + xc])
@@ -119,24 +120,19 @@ def flex_layout(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_v
     patch_slot = (((ty // th) * ntw + tx // tw) * th + ty % th) * tw + tx % tw
     token_slot = torch.cat([torch.arange(p, device=device), prefix_slots + patch_slot.flatten()])
 
-    # mask_mod computes a slot's cell from its index (constants th, tw, ntw: no per-slot table to load) and
-    # reads the windows from the per-axis plans (H and W entries, int32), indexed by the cell
-    row_lo, row_hi = rows.window_lo[:H].to(torch.int32), rows.window_hi[:H].to(torch.int32)
-    col_lo, col_hi = cols.window_lo[:W].to(torch.int32), cols.window_hi[:W].to(torch.int32)
-
-    def cell(slot):  # (y, x) of a patch slot; past the grid for padding slots, negative for prefix slots
-        t = slot - prefix_slots
-        tile, inside = t // BLOCK, t % BLOCK
-        return (tile // ntw) * th + inside // tw, (tile % ntw) * tw + inside % tw
+    # what mask_mod reads per slot: a key's cell (-1: a prefix or padding slot) and a query's window
+    none = torch.full((prefix_slots,), -1, dtype=torch.long, device=device)
+    key_y = torch.cat([none, torch.where(real, y, -1)])
+    key_x = torch.cat([none, torch.where(real, x, -1)])
+    row_lo, row_hi = (torch.cat([none, bound[yc]]) for bound in (rows.window_lo, rows.window_hi))
+    col_lo, col_hi = (torch.cat([none, bound[xc]]) for bound in (cols.window_lo, cols.window_hi))
 
     def mask_mod(b, h, q_idx, kv_idx):
-        ky, kx = cell(kv_idx)
-        key_is_patch = (kv_idx >= prefix_slots) & (ky < H) & (kx < W)
+        ky, kx = key_y[kv_idx], key_x[kv_idx]
         prefix_key = kv_idx < p
-        qy, qx = (c.clamp(0, n - 1) for c, n in zip(cell(q_idx), (H, W)))  # padding queries: any window
-        in_window = (row_lo[qy] <= ky) & (ky < row_hi[qy]) & (col_lo[qx] <= kx) & (kx < col_hi[qx]) & key_is_patch
+        in_window = (row_lo[q_idx] <= ky) & (ky < row_hi[q_idx]) & (col_lo[q_idx] <= kx) & (kx < col_hi[q_idx])
         patch_sees = in_window | prefix_key if prefix_visible else in_window
-        return torch.where(q_idx < prefix_slots, prefix_key | key_is_patch, patch_sees)
+        return torch.where(q_idx < prefix_slots, prefix_key | (ky >= 0), patch_sees)
 
     # the block tables: patch blocks from the two axes; prefix blocks are full where all their slots are real
     row_any, row_all, row_real = _axis_blocks(rows, th)
