@@ -32,8 +32,8 @@ test-fast: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(VENV)/bin/visattn-bench
 
-# On a machine with an NVIDIA GPU: the cuda tests, the GPU benchmark rows and a short bf16 training run,
-# into $(DEVICE_CHECK_OUT) (see scripts/device_check.sh).
+# On a machine with an NVIDIA GPU: the cuda tests, the GPU benchmark rows, a short bf16 training run and a
+# kernel profile per type, into $(DEVICE_CHECK_OUT) (see scripts/device_check.sh).
 DEVICE_CHECK_OUT ?= device_check_out
 device-check:
 	OUT=$(DEVICE_CHECK_OUT) PYTHON=$(PYTHON) bash scripts/device_check.sh

@@ -144,9 +144,9 @@ STARTS = {
     "visattn-predict runs/digits-axial /tmp/digits_png/3 --tile 8 --tile-overlap 2":
         "{python} -m visattn.predict {run} {images}/3 --tile 8 --tile-overlap 2",
     "accelerate launch --mixed_precision bf16 train.py --dataset cluttered-digits --img-size 1024 "
-    "--model vit_small_patch16_224 --attn linear --batch-size 32 --epochs 4 --measure-loader 8":
+    "--model vit_small_patch16_224 --attn linear --batch-size 32 --epochs 4 --num-workers 8 --measure-loader 8":
         "{accelerate} launch -q --num_processes 1 --num_machines 1 --mixed_precision bf16 --dynamo_backend no train.py "
-        "--dataset cluttered-digits --img-size 64 --model vit_small_patch16_224 --attn linear --depth 1 "
+        "--dataset cluttered-digits --img-size 64 --model vit_small_patch16_224 --attn linear --depth 1 --num-workers 2 "
         f"--dataset-kwargs train_size=64 val_size=16 test_size=16 --measure-loader 2 {SHORT_TRAINING} --run-dir {{tmp}}/gpu1024",
     "make device-check": "make -n device-check",
     "visattn-bench --attn linear axial neighborhood --sizes 2048 --modes infer --out bench_out/cpu2048":
