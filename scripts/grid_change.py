@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     for size in dict.fromkeys((recorded["img_size"], args.img_size)):
         config = make_config(recorded, {"img_size": size})
         splits = load_splits(config)
+        split = splits.val if splits.val is not None else splits.eval  # the split train.py chose its best weights on
         loader = DataLoader(
-            TransformedDataset(splits.val, build_transform(config, splits, training=False), seed=None),
+            TransformedDataset(split, build_transform(config, splits, training=False), seed=None),
             batch_size=args.batch_size,
         )
         cells = []

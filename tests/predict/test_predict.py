@@ -401,3 +401,18 @@ def test_a_bad_tile_value_is_one_line_naming_the_accepted_ones(tile_args, messag
     assert predict_main([str(tiny_run), str(large_digit_files[0]), "--device", "cpu", *tile_args]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"error: {message}\n"
+
+
+def test_grid_change_script_reproduces_the_runs_accuracy_and_tries_a_larger_grid(tiny_run, capsys):
+    """scripts/grid_change.py: at the run's own size, with the resampled (here: unchanged) position embedding,
+    the accuracy train.py recorded for the best weights; a row at the new size; the mean embedding is flat."""
+    module = load_script("grid_change")
+    assert module.main([str(tiny_run), "--img-size", "32"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 16 px") or line.startswith("| 32 px")]
+    recorded = json.loads((tiny_run / "summary.json").read_text())["best_acc"]
+    assert rows[0].startswith(f"| 16 px | 4×4 | {100 * recorded:.1f}% |") and rows[1].startswith("| 32 px | 8×8 |")
+    model = load_trained_model(tiny_run)
+    module.mean_position_embedding_(model)
+    patches = model.pos_embed[0, model.num_prefix_tokens:]
+    assert torch.equal(patches, patches[:1].expand_as(patches))
+
