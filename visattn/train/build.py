@@ -26,6 +26,7 @@ from visattn.train.data import (
     DataError, DataSplits, ImageCheck, TransformedDataset, build_transform, check_images, describe_unreadable, load_splits,
     without_images,
 )
+from visattn.train.generated.store import available_cpus
 
 
 def launched_without_accelerator() -> bool:
@@ -214,11 +215,6 @@ def build_loaders(
         for split in (splits.val, splits.eval)
     )
     return train_loader, val_loader, eval_loader
-
-
-def available_cpus() -> int:
-    """The CPU cores this process may run on (its affinity, where the system has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def loader_workers(asked: int) -> int:

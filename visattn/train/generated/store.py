@@ -87,6 +87,7 @@ def _draw_chunk(task: Task, options: object, image_hw: tuple[int, int], split: s
 
 
 def available_cpus() -> int:
+    """The CPU cores this process may run on (its affinity, where the system has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
