@@ -23,7 +23,10 @@ from visattn.train.data import TransformedDataset, build_transform, load_splits
 
 
 def mean_position_embedding_(model: torch.nn.Module) -> None:
-    """Replace the patch part of ``model.pos_embed`` (1, P + H W, C) by its mean over the grid, in place."""
+    """Replace the patch part of ``model.pos_embed`` (1, P + H W, C) by its mean over the grid, in place;
+    ValueError for a model without a learned position embedding."""
+    if getattr(model, "pos_embed", None) is None:
+        raise ValueError(f"{type(model).__name__} has no learned position embedding (pos_embed) to average")
     prefix = 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
     with torch.no_grad():
         patches = model.pos_embed[:, prefix:]
@@ -46,12 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=100)
     args = parser.parse_args(argv)
     recorded = read_yaml(args.run_dir / "config.yaml")
-    print(f"{args.run_dir}: validation accuracy of its best weights, before any training at the new size")
-    print(f"| image | grid | position embedding resampled | its mean over the grid |\n|---|---|---:|---:|")
+    rows = []
     for size in dict.fromkeys((recorded["img_size"], args.img_size)):
         config = make_config(recorded, {"img_size": size})
         splits = load_splits(config)
-        split = splits.val if splits.val is not None else splits.eval  # the split train.py chose its best weights on
+        split_name, split = ("validation", splits.val) if splits.val is not None else ("test", splits.eval)  # train.py's choice
         loader = DataLoader(
             TransformedDataset(split, build_transform(config, splits, training=False), seed=None),
             batch_size=args.batch_size,
@@ -63,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
                 mean_position_embedding_(model)
             cells.append(f"{100 * accuracy(model, loader):.1f}%")
         grid = model.patch_embed.grid_size
-        print(f"| {size} px | {grid[0]}×{grid[1]} | {cells[0]} | {cells[1]} |")
+        rows.append(f"| {size} px | {grid[0]}×{grid[1]} | {cells[0]} | {cells[1]} |")
+    print(f"{args.run_dir}: {split_name} accuracy of its best weights, before any training at the new size")
+    print("| image | grid | position embedding resampled | its mean over the grid |\n|---|---|---:|---:|")
+    print("\n".join(rows))
     return 0
 
 

@@ -19,12 +19,11 @@ import time
 
 import timm
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import visattn
-
-
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from visattn.bench.sweep import DTYPES
 
 
 def build_block(
@@ -50,21 +49,21 @@ def build_model(
 
 
 def operator_times(step, device: torch.device) -> dict[str, tuple[float, int]]:
-    """Self time (ms) and call count of every operator in one profiled step: CPU time on the CPU, the
-    kernels' time on a GPU."""
+    """Self time (ms) and call count of every operator in one profiled step: CPU time on the CPU; on a GPU
+    the time of each kernel (the kernels alone: an operator's device time is its kernels' again)."""
     if device.type == "cuda":
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize(device)
-        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-        return {e.key: (e.self_device_time_total / 1000, e.count) for e in events}
+        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        return {e.key: (e.self_device_time_total / 1000, e.count) for e in kernels}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     return {event.key: (event.self_cpu_time_total / 1000, event.count) for event in prof.key_averages()}
 
 
-def step_fn(block: torch.nn.Module, x: torch.Tensor, training: bool, dtype: torch.dtype | None):
-    autocast = torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None)
+def step_fn(block: torch.nn.Module, x: torch.Tensor, training: bool, dtype: torch.dtype):
+    autocast = torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step() -> None:
         if training:
@@ -81,7 +80,7 @@ def step_fn(block: torch.nn.Module, x: torch.Tensor, training: bool, dtype: torc
 def median_ms(step, repeats: int, device: torch.device) -> float:
     """Median wall time of ``repeats`` steps after one warm-up (which also compiles, where a path does);
     on a GPU the device is synchronised around each step."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     step()
     times = []
     for _ in range(repeats):

@@ -185,11 +185,18 @@ def test_a_terminated_sweep_writes_what_it_measured(tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGTERM)
         measure(group, *args)
 
+    def not_unwound(signum, frame):  # stands in for the default action, which would end pytest itself
+        raise AssertionError("SIGTERM reached the handler the sweep found: it installed none of its own")
+
     monkeypatch.setattr(cli, "measure", measure_then_terminate)
-    with pytest.raises(SystemExit) as stopped, contextlib.redirect_stdout(io.StringIO()):
-        cli.main(TINY_MODEL + FAST + ["--attn", "linear", "--sizes", "32", "64", "--modes", "infer", "--out", str(tmp_path)])
+    before = signal.signal(signal.SIGTERM, not_unwound)
+    try:
+        with pytest.raises(SystemExit) as stopped, contextlib.redirect_stdout(io.StringIO()):
+            cli.main(TINY_MODEL + FAST + ["--attn", "linear", "--sizes", "32", "64", "--modes", "infer", "--out", str(tmp_path)])
+        assert signal.getsignal(signal.SIGTERM) is not_unwound  # the sweep's handler lasted the sweep only
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert stopped.value.code == 128 + signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was the sweep's only
     rows = {(r["attn"], r["infer_img_size"]): r for r in _read_csv(tmp_path / "bench.csv")}
     assert len(rows) == 6
     for attn in ("timm", "floor", "linear"):

@@ -18,12 +18,13 @@ built at each size; add ``--compile`` to time the compiled models (the first war
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -394,21 +395,25 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     sys.exit(128 + signum)
 
 
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (what ``timeout`` and job schedulers send) unwinds like Ctrl-C inside the block: workers and
+    trials are ended and what was measured is written."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == [MAX_TOKENS]:
         args = parse_max_tokens_args(argv[1:])
-        # A terminated run unwinds like an interrupted one, so that run_trial ends the trial it waits for.
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        try:
+        with _sigterm_unwinds():
             run_max_tokens(args)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
         return 0
     args = _parse(argv)
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a terminated sweep writes what it measured
-    try:
+    with _sigterm_unwinds():
         run(args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     return 0

@@ -216,9 +216,11 @@ def _worker_environment() -> Iterator[None]:
 
 def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None:
     """Run the workers of ``results`` together in interleaved rounds; fill in the results."""
-    with _worker_environment():
-        workers = [_Worker(process_context(), r) for r in results]
+    workers: list[_Worker] = []
     try:
+        with _worker_environment():
+            for r in results:  # appended one by one, so that a stop while they start ends those already started
+                workers.append(_Worker(process_context(), r))
         live: list[_Worker] = []
         for w in workers:
             reply = w.ask(None)

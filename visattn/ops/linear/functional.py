@@ -43,7 +43,8 @@ def linear_attn(
             positive. Runs on every path; ``"blocked"`` takes it as a constant, so a table that needs a
             gradient (learned frequencies) runs on ``"plain"`` (non-causal) or ``"chunk"`` (causal).
     Returns:
-        (B, heads, N, d), in v's dtype; computed in fp32.
+        (B, heads, N, d), in v's dtype; computed in fp32, but bf16 inputs without autograd on ``"plain"``
+        run in bf16 with fp32 token sums (:func:`visattn.ops.linear.plain.bf16_linear_attn`).
     """
     check_positive_int(chunk_size, "chunk_size", "linear_attn")
     get_feature_map(feature_map)  # a bad name fails before a path is chosen
