@@ -400,9 +400,10 @@ def test_fp16_sums_over_65536_tokens_do_not_overflow(backend):
 @pytest.mark.parametrize("n", [37, KV_CHUNK, 2 * KV_CHUNK + 37])
 def test_bf16_inference_runs_in_bf16_within_its_roundings(n):
     """bf16 q, k, v without autograd (a tail only, whole chunks only, both): the plain path runs its matmuls in
-    bf16. It rounds to bf16 phi(q), phi(k), each partial sum of phi(k)^T v, their fp32 total and the
-    normalizer's sums before the last two matmuls, the numerator, the normalizer and the quotient: eight
-    roundings, each within u = 2^-8 relative, so 8 u in the worst case. With autograd the same call takes the
+    bf16. It rounds to bf16 phi(q) and phi(k) (each within 2^-9 of elu + 1, whose sums are at least the
+    count of terms), each partial sum of phi(k)^T v, their fp32 total and the normalizer's sums before the
+    last two matmuls, the numerator, the normalizer and the quotient: eight roundings, each within
+    u = 2^-8 of what it enters, so 8 u in the worst case. With autograd the same call takes the
     fp32 sums: one rounding of the result, 2 u allowing for the rounded inputs' products."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, 16, generator=gen).bfloat16() for _ in range(3))

@@ -61,15 +61,16 @@ KV_CHUNK = 1024
 
 
 def bf16_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi: FeatureMap, eps: float) -> torch.Tensor:
-    """:func:`plain_linear_attn` on bf16 q, k, v (B, heads, N, d), without autograd and with no fp32 copy of
-    them: the feature maps in bf16 (by their in-place form, which keeps elu + 1 of a negative input to bf16's
-    relative precision where ``elu(x) + 1`` would cancel), the matmuls in bf16 (each accumulating in fp32),
-    phi(k)^T v as partial sums over chunks of :data:`KV_CHUNK` tokens and a shorter tail, added in fp32 with
-    the normalizer's sums. bf16 has fp32's range, so no sum overflows; the results are rounded to bf16 where
-    the fp32 path keeps fp32."""
-    qf, kf = (phi.fast_into(t, torch.empty_like(t), torch.empty_like(t)) for t in (q, k))  # (B, h, N, d) bf16
-    whole = k.shape[-2] - k.shape[-2] % KV_CHUNK
-    kv = (kf[..., whole:, :].transpose(-2, -1) @ v[..., whole:, :]).float()  # (B, h, d, e): the tail
+    """:func:`plain_linear_attn` on bf16 q, k, v (B, heads, N, d), without autograd: the feature maps in bf16
+    (elu + 1 of a very negative input to within bf16's absolute rounding, 2^-9, not its relative one), the
+    matmuls in bf16 (each accumulating in fp32), phi(k)^T v summed over chunks of :data:`KV_CHUNK` tokens and
+    those partial sums, the fp32 product of the last fewer than :data:`KV_CHUNK` tokens and the normalizer's
+    sums added in fp32. bf16 has fp32's range, so no sum overflows; the results are rounded to bf16 where the
+    fp32 path keeps fp32."""
+    qf, kf = phi(q), phi(k)  # (B, h, N, d) bf16
+    n = k.shape[-2]
+    whole = n - n % KV_CHUNK
+    kv = kf[..., whole:, :].transpose(-2, -1).float() @ v[..., whole:, :].float()  # (B, h, d, e) fp32: the tail
     if whole:
         chunks_k = rearrange(kf[..., :whole, :], "b h (c t) d -> b h c d t", t=KV_CHUNK)
         chunks_v = rearrange(v[..., :whole, :], "b h (c t) e -> b h c t e", t=KV_CHUNK)
