@@ -7,7 +7,8 @@ larger canvas costs otherwise (more tokens pooled, more background).
 
     python scripts/grid_change.py runs/table-conv-stem/tune-base/linear/seed0-stage1 --img-size 128
 
-Reads the run's ``config.yaml`` for the data (the same dataset options at the new size) and its best weights.
+Reads the run's ``config.yaml`` for the data (the same dataset options at the new size, normalized as the
+weights were trained, as a next stage starting from them does) and its best weights.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     recorded = read_yaml(args.run_dir / "config.yaml")
     rows = []
     for size in dict.fromkeys((recorded["img_size"], args.img_size)):
-        config = make_config(recorded, {"img_size": size})
+        # as a next stage from these weights: their image normalization, not the new size's own statistics
+        config = make_config(recorded, {"img_size": size, "initial_checkpoint": str(args.run_dir)})
         splits = load_splits(config)
         split_name, split = ("validation", splits.val) if splits.val is not None else ("test", splits.eval)  # train.py's choice
         loader = DataLoader(
