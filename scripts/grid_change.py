@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in dict.fromkeys((recorded["img_size"], args.img_size)):
         # as a next stage from these weights: their image normalization, not the new size's own statistics
-        config = make_config(recorded, {"img_size": size, "initial_checkpoint": str(args.run_dir)})
+        config = make_config(recorded, {"img_size": size, "initial_checkpoint": str(args.run_dir), "pretrained": False})
         splits = load_splits(config)
         split_name, split = ("validation", splits.val) if splits.val is not None else ("test", splits.eval)  # train.py's choice
         loader = DataLoader(

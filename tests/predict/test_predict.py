@@ -408,7 +408,9 @@ def test_grid_change_script_reproduces_the_runs_accuracy_and_tries_a_larger_grid
     the accuracy train.py recorded for the best weights; a row at the new size; the mean embedding is flat."""
     module = load_script("grid_change")
     assert module.main([str(tiny_run), "--img-size", "32"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 16 px") or line.startswith("| 32 px")]
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tiny_run}: validation accuracy of its best weights")
+    rows = [line for line in out.splitlines() if line.startswith("| 16 px") or line.startswith("| 32 px")]
     recorded = json.loads((tiny_run / "summary.json").read_text())["best_acc"]
     assert rows[0].startswith(f"| 16 px | 4×4 | {100 * recorded:.1f}% |") and rows[1].startswith("| 32 px | 8×8 |")
     model = load_trained_model(tiny_run)

@@ -64,8 +64,8 @@ def bf16_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi: Fea
     """:func:`plain_linear_attn` on bf16 q, k, v (B, heads, N, d), without autograd: the feature maps in bf16
     (elu + 1 of a very negative input to within bf16's absolute rounding, 2^-9, not its relative one), the
     matmuls in bf16 (each accumulating in fp32), phi(k)^T v summed over chunks of :data:`KV_CHUNK` tokens and
-    those partial sums, the fp32 product of the last fewer than :data:`KV_CHUNK` tokens and the normalizer's
-    sums added in fp32. bf16 has fp32's range, so no sum overflows; the results are rounded to bf16 where the
+    those partial sums, the fp32 product of the last fewer than :data:`KV_CHUNK` tokens (all of them, fp32 copies
+    of k and v, when N is smaller) and the normalizer's sums added in fp32. bf16 has fp32's range, so no sum overflows; the results are rounded to bf16 where the
     fp32 path keeps fp32."""
     qf, kf = phi(q), phi(k)  # (B, h, N, d) bf16
     n = k.shape[-2]
