@@ -221,50 +221,7 @@ def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None
         with _worker_environment():
             for r in results:  # appended one by one, so that a stop while they start ends those already started
                 workers.append(_Worker(process_context(), r))
-        live: list[_Worker] = []
-        for w in workers:
-            reply = w.ask(None)
-            if reply[0] == "ready":
-                w.result.param_count, w.result.build_bytes = reply[1], reply[2]
-                live.append(w)
-            else:
-                w.fail(*reply[1:])
-
-        rest = 0.0  # before each step, as long as the previous step took, at most timing.settle
-
-        def run_round(rows: list[_Worker], timed: bool) -> None:
-            nonlocal rest
-            serial = next(_ROUND_SERIALS)
-            for w in rows:
-                time.sleep(rest)
-                reply = w.ask("step")
-                if reply[0] == "time":
-                    rest = min(timing.settle, reply[1])
-                    if timed:
-                        w.timed.append(reply[1])
-                        w.result.times.append(reply[1])
-                        w.result.rounds.append(serial)
-                else:
-                    w.fail(*reply[1:])
-                    live.remove(w)
-
-        label = f"{results[0].case.size_label} batch {results[0].case.batch_size}"
-        for r in range(timing.warmup):
-            progress.set_description(f"{label} warm-up {r + 1}/{timing.warmup}")
-            run_round(list(live), timed=False)
-        rounds = 0
-        while pending := [w for w in live if timing.needs_more(w.timed)]:
-            rounds += 1
-            progress.set_description(f"{label} round {rounds}")
-            # floor steps in every round, so that every row's ratio to it has as many rounds as the row; the
-            # rounds go on while any row, floor included, needs more steps
-            run_round([w for w in live if w in pending or w.result.case.attn == FLOOR], timed=True)
-        for w in live:
-            reply = w.ask("finish")
-            if reply[0] == "peak":
-                w.result.peak_bytes = reply[1]
-            else:
-                w.fail(*reply[1:])
+        _drive(workers, timing, progress)
     except BaseException:  # interrupted (Ctrl-C, a terminating signal): end the workers now, mid-step too
         for w in workers:
             w.process.kill()
@@ -272,6 +229,55 @@ def _measure_group(results: list[Result], timing: Timing, progress: Any) -> None
     finally:
         for w in workers:
             w.close()
+
+
+def _drive(workers: list[_Worker], timing: Timing, progress: Any) -> None:
+    """The rounds of :func:`_measure_group` over its started workers."""
+    live: list[_Worker] = []
+    for w in workers:
+        reply = w.ask(None)
+        if reply[0] == "ready":
+            w.result.param_count, w.result.build_bytes = reply[1], reply[2]
+            live.append(w)
+        else:
+            w.fail(*reply[1:])
+
+    rest = 0.0  # before each step, as long as the previous step took, at most timing.settle
+
+    def run_round(rows: list[_Worker], timed: bool) -> None:
+        nonlocal rest
+        serial = next(_ROUND_SERIALS)
+        for w in rows:
+            time.sleep(rest)
+            reply = w.ask("step")
+            if reply[0] == "time":
+                rest = min(timing.settle, reply[1])
+                if timed:
+                    w.timed.append(reply[1])
+                    w.result.times.append(reply[1])
+                    w.result.rounds.append(serial)
+            else:
+                w.fail(*reply[1:])
+                live.remove(w)
+
+    case = workers[0].result.case
+    label = f"{case.size_label} batch {case.batch_size}"
+    for r in range(timing.warmup):
+        progress.set_description(f"{label} warm-up {r + 1}/{timing.warmup}")
+        run_round(list(live), timed=False)
+    rounds = 0
+    while pending := [w for w in live if timing.needs_more(w.timed)]:
+        rounds += 1
+        progress.set_description(f"{label} round {rounds}")
+        # floor steps in every round, so that every row's ratio to it has as many rounds as the row; the
+        # rounds go on while any row, floor included, needs more steps
+        run_round([w for w in live if w in pending or w.result.case.attn == FLOOR], timed=True)
+    for w in live:
+        reply = w.ask("finish")
+        if reply[0] == "peak":
+            w.result.peak_bytes = reply[1]
+        else:
+            w.fail(*reply[1:])
 
 
 def worker_groups(runnable: list[Result], capacity: int) -> tuple[list[list[Result]], list[Result]]:
