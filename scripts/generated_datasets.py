@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from visattn.train.generated import TASKS, pathfinder, store, task_options
+from visattn.train.generated import TASKS, drawn_as, pathfinder, store, task_options
 
 
 def cpu_seconds() -> float:
@@ -33,8 +33,8 @@ def cpu_seconds() -> float:
 
 
 def time_split(args: argparse.Namespace) -> None:
-    image_hw = (args.img_size, args.img_size)
-    options = task_options(args.dataset, dict(args.option), image_hw)
+    config_hw = (args.img_size, args.img_size)
+    options, image_hw = drawn_as(task_options(args.dataset, dict(args.option), config_hw), config_hw)
     workers = args.workers or store.available_cpus()
     wall, cpu = time.perf_counter(), cpu_seconds()
     arrays = store.draw_split(TASKS[args.dataset], options, image_hw, args.split, workers=workers)

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 from scipy import ndimage
 
 from tests.helpers import load_script
 from visattn.train.cli import parse_args
 from visattn.train.config import ConfigError, make_config
-from visattn.train.data import load_splits
+from visattn.train.data import build_transform, load_splits
 from visattn.train.generated import TASKS, store, task_options
 from visattn.train.generated import cluttered_digits as cd
 from visattn.train.generated import pathfinder as pf
@@ -411,6 +412,25 @@ def test_load_splits_serves_a_generated_dataset(tmp_path):
     assert len(list((tmp_path / "generated" / "pathfinder").glob("*.npz"))) == 3
 
 
+def test_a_canvas_size_draws_the_images_of_that_img_size_and_the_transform_resizes_them(tmp_path):
+    sizes = {"train_size": 10, "val_size": 10, "test_size": 10, "digit_size": 16, "clutter_size": 8}
+    values = {"dataset": "cluttered-digits", "data_dir": str(tmp_path), "patch_size": 4, "augment": False}
+    full = make_config({**values, "img_size": 64, "dataset_kwargs": sizes})
+    reduced = make_config({**values, "img_size": 32, "dataset_kwargs": {**sizes, "canvas_size": 64}})
+    full_splits, reduced_splits = load_splits(full), load_splits(reduced)
+    for split in ("train", "val", "eval"):
+        assert np.array_equal(getattr(full_splits, split).images, getattr(reduced_splits, split).images)
+    assert (full_splits.mean, full_splits.std) == (reduced_splits.mean, reduced_splits.std)
+    assert len(list((tmp_path / "generated" / "cluttered-digits").glob("*.npz"))) == 3  # one cache for both
+    image, _ = reduced_splits.train[3]
+    expected = image.resize((32, 32), Image.Resampling.BICUBIC)
+    expected = (np.asarray(expected, dtype=np.float32)[..., 0] / 255 - reduced_splits.mean[0]) / reduced_splits.std[0]
+    for training in (False, True):  # augment off, as in the cluttered-digits recipes
+        seen = build_transform(reduced, reduced_splits, training=training)(image)
+        assert seen.shape == (3, 32, 32)
+        np.testing.assert_allclose(seen[0].numpy(), expected, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "values, message",
     [
@@ -445,6 +465,13 @@ def test_load_splits_serves_a_generated_dataset(tmp_path):
         ({"dataset": "cluttered-digits", "img_size": 128, "dataset_kwargs": {"placements": 2}},
          "^dataset_kwargs: cluttered-digits option placements: 2 canvases per digit over train_size 10000 need 500 "
          "training digits of class 0, the training pool holds 107; raise placements or lower train_size$"),
+        ({"dataset": "cluttered-digits", "img_size": 64, "dataset_kwargs": {"canvas_size": -1}},
+         "^dataset_kwargs: cluttered-digits option canvas_size: must be >= 0 \\(0: the img_size\\), got -1$"),
+        ({"dataset": "cluttered-digits", "img_size": 128, "dataset_kwargs": {"canvas_size": 40}},
+         "^dataset_kwargs: canvas_size 40: a 40x40 canvas leaves no room for 14 px clutter around a 32 px digit"),
+        ({"dataset": "cluttered-digits", "img_size": [64, 128], "dataset_kwargs": {"canvas_size": 128}},
+         "^img_size: dataset_kwargs canvas_size draws square images, which a 64x128 img_size would crop; use a "
+         "square img_size or canvas_size 0$"),
         ({"dataset": "digits", "dataset_kwargs": {"level": "easy"}}, "dataset 'digits' takes no options"),
     ],
 )

@@ -6,10 +6,12 @@
     store.py             drawing a split in several processes, and its checked on-disk cache
 
 The generators use NumPy and Pillow only. Options come from ``dataset_kwargs``
-(``--dataset-kwargs level=easy train_size=20000``); the images are drawn at the config's ``img_size``.
+(``--dataset-kwargs level=easy train_size=20000``); the images are drawn at the config's ``img_size``, or with
+``canvas_size`` at that side and resized to ``img_size`` by the transforms.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,18 +22,34 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from visattn.train.generated import cluttered_digits, pathfinder
-from visattn.train.generated.common import SPLITS, Task, parse_options
+from visattn.train.generated.common import SPLITS, Task, canvas_hw, parse_options
 from visattn.train.generated.store import load_split
 
 TASKS: dict[str, Task] = {task.name: task for task in (cluttered_digits.TASK, pathfinder.TASK)}
 
 
 def task_options(name: str, values: Mapping[str, Any], image_hw: tuple[int, int]) -> Any:
-    """The options of task ``name`` from ``values``, checked against the image size; ValueError if bad."""
+    """The options of task ``name`` from ``values``, checked against the canvas they draw at for a config of
+    ``image_hw``; ValueError if bad."""
     task = TASKS[name]
     options = parse_options(task, values)
-    task.check(options, image_hw)
+    if options.canvas_size and image_hw[0] != image_hw[1]:
+        raise ValueError(f"img_size: dataset_kwargs canvas_size draws square images, which a "
+                         f"{image_hw[0]}x{image_hw[1]} img_size would crop; use a square img_size or canvas_size 0")
+    try:
+        task.check(options, canvas_hw(options, image_hw))
+    except ValueError as error:  # the canvas, not img_size, is what is too small
+        if options.canvas_size and str(error).startswith("img_size: "):
+            reason = str(error).removeprefix("img_size: ")
+            raise ValueError(f"dataset_kwargs: canvas_size {options.canvas_size}: {reason}") from None
+        raise
     return options
+
+
+def drawn_as(options: Any, image_hw: tuple[int, int]) -> tuple[Any, tuple[int, int]]:
+    """The options and (H, W) the images of ``options`` are drawn with for a config of ``image_hw``: as at an
+    ``img_size`` of the canvas's side, so that both share one cache."""
+    return dataclasses.replace(options, canvas_size=0), canvas_hw(options, image_hw)
 
 
 class GeneratedDataset(Dataset):
@@ -61,10 +79,12 @@ class GeneratedSplits:
 
 
 def load_generated(name: str, values: Mapping[str, Any], image_hw: tuple[int, int], root: str | Path) -> GeneratedSplits:
-    """Train, val and test of task ``name``, cached under ``root/generated``; mean and std from train."""
+    """Train, val and test of task ``name``, cached under ``root/generated``; mean and std from train (at the
+    canvas's size)."""
     task = TASKS[name]
     options = task_options(name, values, image_hw)
-    splits = {split: GeneratedDataset(load_split(task, options, image_hw, split, root)) for split in SPLITS}
+    drawn, drawn_hw = drawn_as(options, image_hw)
+    splits = {split: GeneratedDataset(load_split(task, drawn, drawn_hw, split, root)) for split in SPLITS}
     mean, std = _grey_mean_std(splits["train"].images)
     return GeneratedSplits(**splits, num_classes=task.num_classes, mean=(mean,) * 3, std=(std,) * 3)
 

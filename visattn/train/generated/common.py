@@ -33,12 +33,19 @@ def split_rng(seed: int, split: str) -> np.random.Generator:
 
 @dataclass(frozen=True)
 class SplitSizes:
-    """Options every task has: the dataset seed and the number of images per split."""
+    """Options every task has: the dataset seed, the number of images per split, and the canvas.
+
+    canvas_size: the side in px the images are drawn at; 0, the config's ``img_size``. Another side draws the
+        same images as an ``img_size`` of that side would, and the transforms resize them to ``img_size`` as
+        they do any dataset's images: a curriculum's first stage sees its last stage's images at a lower
+        resolution. It needs a square ``img_size``.
+    """
 
     seed: int = 0
     train_size: int = 10_000
     val_size: int = 2_000
     test_size: int = 2_000
+    canvas_size: int = 0
 
     def size(self, split: str) -> int:
         return getattr(self, f"{split}_size")
@@ -62,6 +69,11 @@ class Task:
     check: Callable[[Any, tuple[int, int]], None]
 
 
+def canvas_hw(options: SplitSizes, image_hw: tuple[int, int]) -> tuple[int, int]:
+    """The (H, W) the images of ``options`` are drawn at for a config of ``image_hw``."""
+    return (options.canvas_size, options.canvas_size) if options.canvas_size else image_hw
+
+
 def parse_options(task: Task, values: Mapping[str, Any]) -> Any:
     """``values`` as ``task``'s options; ValueError naming a key it does not take or a value of the wrong type.
 
@@ -80,4 +92,7 @@ def parse_options(task: Task, values: Mapping[str, Any]) -> Any:
     for split in SPLITS:
         if options.size(split) < 1:
             raise ValueError(f"dataset_kwargs: {task.name} option {split}_size: must be >= 1, got {options.size(split)}")
+    if options.canvas_size < 0:
+        raise ValueError(f"dataset_kwargs: {task.name} option canvas_size: must be >= 0 (0: the img_size), "
+                         f"got {options.canvas_size}")
     return options
