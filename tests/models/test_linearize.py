@@ -175,8 +175,8 @@ def test_learned_map_routes_the_projection_to_split():
     layer = _perturbed_layer()
     x = torch.randn(2, 20, 24)
     with torch.no_grad():  # where feature_map="elu" would fuse the projection with the mixing
-        assert choose_linear_projection_backend(x, causal=False, has_qk_norm=False) == "fused_qkv"
-        assert choose_linear_projection_backend(x, causal=False, has_qk_norm=False, learned_map=True) == "split"
+        assert choose_linear_projection_backend(x.device, causal=False, has_qk_norm=False) == "fused_qkv"
+        assert choose_linear_projection_backend(x.device, causal=False, has_qk_norm=False, learned_map=True) == "split"
         q, k, v = layer.qkv(x).unflatten(-1, (3, 3, 8)).permute(2, 0, 3, 1, 4).unbind(0)
         assert_rms_close(layer(x), layer.proj(layer.mix(q, k, v, None, None, False).transpose(1, 2).flatten(2)), 1e-6)
         for path in ("fused_qkv", "packed"):

@@ -231,11 +231,11 @@ def test_bad_backends_raise():
 
 
 def test_each_device_gets_its_path():
-    """Off the CPU (a meta tensor stands for any other device) each op takes the path that suits it
+    """Off the CPU (the meta device stands for any other) each op takes the path that suits it
     there: plain batched matmuls for linear attention, SDPA's own autograd for axial, all tiles in one
     batched SDPA for the local ops; the cache-blocked paths run on the CPU only. The tests above run
     every one of these paths, forced, on CPU tensors."""
-    cpu, other = torch.empty(0), torch.empty(0, device="meta")
+    cpu, other = torch.device("cpu"), torch.device("meta")
     assert backends.choose_linear_backend(cpu, causal=False) == "blocked"
     assert backends.choose_linear_backend(other, causal=False) == "plain"
     assert backends.choose_linear_backend(other, causal=True) == "chunk"
@@ -260,8 +260,8 @@ def test_each_device_gets_its_path():
             assert backends.choose_local_backend(t, needs_grad, 0.0, False, dense_cheaper=True) == "dense"
             assert backends.choose_local_backend(t, needs_grad, 0.0, True, dense_cheaper=True) == "gathered"
     # the blocked linear op, forced off the CPU, takes all tokens of all images in one block
-    assert len(token_blocks(16, 1025, 6 * 65, other.device)) == 1
-    assert len(token_blocks(16, 1025, 6 * 65, cpu.device)) > 1
+    assert len(token_blocks(16, 1025, 6 * 65, other)) == 1
+    assert len(token_blocks(16, 1025, 6 * 65, cpu)) > 1
 
 
 def test_local_ops_go_dense_where_the_windows_cover_the_grid():

@@ -282,8 +282,8 @@ def test_linear_rope_runs_blocked_on_the_cpu_unless_the_table_needs_a_gradient(m
     monkeypatch.setattr(linear_functional, "select_backend", recording)
     freqs = init_mixed_rope_freqs(D, HEADS).requires_grad_(True)
     learned = mixed_rope(freqs, GRID, P)
-    assert ops.backends.choose_linear_backend(q, causal=False) == "blocked"
-    assert ops.backends.choose_linear_backend(q, causal=False, rope_needs_grad=True) == "plain"
+    assert ops.backends.choose_linear_backend(q.device, causal=False) == "blocked"
+    assert ops.backends.choose_linear_backend(q.device, causal=False, rope_needs_grad=True) == "plain"
     with force_backend("linear", "blocked"):
         with pytest.raises(ValueError, match="'blocked' takes a constant rope table; .* needs 'plain'"):
             ops.linear_attn(q, k, v, rope=learned)

@@ -102,7 +102,7 @@ class LinearAttention(GridAttention):
         learned = self.learned_map is not None
         name = select_backend(
             "linear_projection", None,
-            lambda: choose_linear_projection_backend(x, is_causal, has_qk_norm, rotated, learned_map=learned),
+            lambda: choose_linear_projection_backend(x.device, is_causal, has_qk_norm, rotated, learned_map=learned),
         )
         if name != "split" and is_causal:
             raise ValueError(f"linear: the {name!r} projection path is non-causal; is_causal=True needs 'split'")

@@ -1,8 +1,10 @@
 """Which path an op with several runs: a named choice, overridable, logged.
 
 Each op with several paths (:data:`BACKENDS`) picks one with a ``choose_<op>_backend`` function below,
-from the shapes, the device and the autograd / compile state. A caller overrides it with the op's
-``backend=`` argument, or for every call inside a block (a model's layers included) with::
+from the shapes, the device and the autograd / compile state. The device is an argument, not read off a
+tensor, so that the cost model (:mod:`visattn.layers.cost`) asks the same function which path an op would
+take on a device it does not run on. A caller overrides the choice with the op's ``backend=`` argument, or
+for every call inside a block (a model's layers included) with::
 
     with visattn.ops.backends.force_backend("axial", "sdpa"):
         model(images)
@@ -90,12 +92,14 @@ def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _eager_on_cpu(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a CPU tensor outside a compiled graph: where the cache-blocked CPU paths run."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+def _eager_on_cpu(device: torch.device) -> bool:
+    """Whether an op on ``device`` runs on the CPU outside a compiled graph: where the cache-blocked CPU paths run."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def choose_linear_backend(t: torch.Tensor, causal: bool, rope_needs_grad: bool = False, needs_grad: bool = False) -> str:
+def choose_linear_backend(
+    device: torch.device, causal: bool, rope_needs_grad: bool = False, needs_grad: bool = False
+) -> str:
     """Causal: the chunked product. Non-causal on the CPU: the blocked autograd function, whose
     cache-sized blocks pay on a CPU and whose backward recomputes the feature maps (and their turns by a
     rope table) instead of keeping them. Elsewhere, inside a compiled graph and with a rope table that
@@ -107,9 +111,9 @@ def choose_linear_backend(t: torch.Tensor, causal: bool, rope_needs_grad: bool =
     a few percent of a block."""
     if causal:
         return "chunk"
-    if needs_grad and t.device.type != "cpu" and not torch.compiler.is_compiling():
+    if needs_grad and device.type != "cpu" and not torch.compiler.is_compiling():
         return "plain_checkpoint"
-    return "plain" if rope_needs_grad or not _eager_on_cpu(t) else "blocked"
+    return "plain" if rope_needs_grad or not _eager_on_cpu(device) else "blocked"
 
 
 def choose_decayed_linear_backend(single_tile: bool) -> str:
@@ -121,7 +125,7 @@ def choose_decayed_linear_backend(single_tile: bool) -> str:
 
 
 def choose_linear_projection_backend(
-    t: torch.Tensor, causal: bool, has_qk_norm: bool, rotated: bool = False, learned_map: bool = False
+    device: torch.device, causal: bool, has_qk_norm: bool, rotated: bool = False, learned_map: bool = False
 ) -> str:
     """Causal, compiled, off the CPU (the fused and packed paths walk the CPU's cache-sized blocks),
     ``rotated`` (rope, which the op applies from a table of the split heads) or ``learned_map`` (a learned
@@ -129,34 +133,34 @@ def choose_linear_projection_backend(
     call the op. Without autograd, fuse the projection with the mixing. With autograd and no q/k norm,
     run on the packed projection (its gradient comes back in one piece); a q/k norm sits between
     projection and mixing, so then split."""
-    if causal or rotated or learned_map or not _eager_on_cpu(t):
+    if causal or rotated or learned_map or not _eager_on_cpu(device):
         return "split"
     if not torch.is_grad_enabled():
         return "fused_qkv"
     return "split" if has_qk_norm else "packed"
 
 
-def cpu_kernels_apply(t: torch.Tensor, dropout_p: float) -> bool:
-    """Whether axial's hand-written backward on the CPU's fused kernels can run: a CPU tensor, no
+def cpu_kernels_apply(device: torch.device, dropout_p: float) -> bool:
+    """Whether axial's hand-written backward on the CPU's fused kernels can run: on the CPU, no
     dropout (the kernels drop nothing) and no autocast (they would run in fp32)."""
-    return t.device.type == "cpu" and not dropout_p and not torch.is_autocast_enabled("cpu")
+    return device.type == "cpu" and not dropout_p and not torch.is_autocast_enabled("cpu")
 
 
-def choose_axial_backend(t: torch.Tensor, dropout_p: float, needs_grad: bool) -> str:
+def choose_axial_backend(device: torch.device, dropout_p: float, needs_grad: bool) -> str:
     """Without autograd, in a compiled graph (the compiler fuses the plain formulation) or off the CPU
     (the device's fused kernels keep their log-sum-exps for their own backward): plain SDPA. On the
     CPU with autograd: the CPU kernels where they apply and SDPA's fused (flash) backend is enabled
     (``torch.nn.attention.sdpa_kernel`` can select another), else SDPA recomputed in the backward,
     which keeps only q, k and v."""
-    if not needs_grad or not _eager_on_cpu(t):
+    if not needs_grad or not _eager_on_cpu(device):
         return "sdpa"
-    if cpu_kernels_apply(t, dropout_p) and torch.backends.cuda.flash_sdp_enabled():  # read on every device
+    if cpu_kernels_apply(device, dropout_p) and torch.backends.cuda.flash_sdp_enabled():  # read on every device
         return "cpu_kernels"
     return "sdpa_checkpoint"
 
 
 def choose_local_backend(
-    t: torch.Tensor, needs_grad: bool, dropout_p: float, self_only: bool, dense_cheaper: bool
+    device: torch.device, needs_grad: bool, dropout_p: float, self_only: bool, dense_cheaper: bool
 ) -> str:
     """A window of one key: gathered (exact there). Where the windows cover enough of the grid that
     attention over all tokens costs no more than the tiles (short sequences: a 7 x 7 window on 14 x 14
@@ -172,8 +176,8 @@ def choose_local_backend(
         return "gathered"
     if dense_cheaper:
         return "dense"
-    if t.device.type == "cuda" and not dropout_p:
+    if device.type == "cuda" and not dropout_p:
         return "flex"
-    if needs_grad or dropout_p or not _eager_on_cpu(t):
+    if needs_grad or dropout_p or not _eager_on_cpu(device):
         return "gathered"
     return "chunked"

@@ -24,8 +24,8 @@ from visattn.ops.layout import merge_heads, split_qkv
 
 
 def _select(op: str, t: torch.Tensor, dropout_p: float, needs_grad: bool, backend: str | None) -> str:
-    name = select_backend("axial", backend, lambda: choose_axial_backend(t, dropout_p, needs_grad))
-    if name == "cpu_kernels" and not cpu_kernels_apply(t, dropout_p):
+    name = select_backend("axial", backend, lambda: choose_axial_backend(t.device, dropout_p, needs_grad))
+    if name == "cpu_kernels" and not cpu_kernels_apply(t.device, dropout_p):
         raise ValueError(
             f"{op}: backend 'cpu_kernels' needs a CPU tensor, dropout_p=0 and no autocast; got device "
             f"{t.device.type}, dropout_p={dropout_p}; use 'sdpa' or 'sdpa_checkpoint'"

@@ -52,7 +52,7 @@ def linear_attn(
         check_rope_table(q, rope, "linear_attn")
     rope_needs_grad = rope is not None and needs_autograd(rope)
     needs_grad = needs_autograd(q, k, v, rope)
-    name = select_backend("linear", backend, lambda: choose_linear_backend(q, causal, rope_needs_grad, needs_grad))
+    name = select_backend("linear", backend, lambda: choose_linear_backend(q.device, causal, rope_needs_grad, needs_grad))
     if causal != (name == "chunk"):
         raise ValueError(
             f"linear_attn: backend {name!r} is {'non-' if causal else ''}causal; causal={causal} needs "

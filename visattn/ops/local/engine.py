@@ -213,7 +213,7 @@ def tiled_local_attn(
         "local",
         backend,
         lambda: choose_local_backend(
-            q,
+            q.device,
             needs_autograd(q, k, v),
             dropout_p,
             _self_only(rows, cols, p, prefix_visible),
