@@ -34,7 +34,7 @@ from visattn.ops.layout import merge_heads, split_heads, token_major
 from visattn.ops.local.chunked import Sequences, attend_in_chunks
 from visattn.ops.local.flex import flex_local_attn
 from visattn.ops.local.naive import separable_grid_mask, with_prefix_tokens
-from visattn.ops.local.plans import AxisPlan
+from visattn.ops.local.plans import AxisPlan, AxisTiling
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,8 +83,11 @@ def _tile_layout(
 DENSE_SCORE_RATIO = 2
 
 
-def dense_is_cheaper(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_visible: bool) -> bool:
-    """Whether the windows cover enough of the grid (short sequences) for dense attention to pay."""
+def dense_is_cheaper(
+    rows: AxisPlan | AxisTiling, cols: AxisPlan | AxisTiling, num_prefix_tokens: int, prefix_visible: bool
+) -> bool:
+    """Whether the windows cover enough of the grid (short sequences) for dense attention to pay. Reads the
+    sizes alone, so the tilings of the plans answer it too (the cost model has only those)."""
     n = num_prefix_tokens + rows.length * cols.length
     keys = rows.region * cols.region + (num_prefix_tokens if prefix_visible else 0)
     tiled = rows.num_tiles * cols.num_tiles * rows.tile * cols.tile * keys + num_prefix_tokens * n
@@ -103,8 +106,11 @@ def _dense_mask(
     return torch.zeros(1, 1, n, n, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _self_only(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_visible: bool) -> bool:
-    """Whether every patch query's window is the query itself, and no prefix key joins it."""
+def is_self_only(
+    rows: AxisPlan | AxisTiling, cols: AxisPlan | AxisTiling, num_prefix_tokens: int, prefix_visible: bool
+) -> bool:
+    """Whether every patch query's window is the query itself, and no prefix key joins it (plans or their
+    tilings, as :func:`dense_is_cheaper`)."""
     return not (prefix_visible and num_prefix_tokens) and rows.self_only and cols.self_only
 
 
@@ -137,7 +143,7 @@ def _gathered_path(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropo
     """All tiles gathered at once, one SDPA over them, differentiable; prefix queries over all N keys."""
     B, heads, _, _ = q.shape
     p = num_prefix_tokens
-    if _self_only(rows, cols, p, prefix_visible):
+    if is_self_only(rows, cols, p, prefix_visible):
         # softmax over the one key, the query's own: weight exp(s - s) = 1 and gradient 0, both exactly
         # (the fused kernel's backward would leave rounding noise where the gradient is exactly zero)
         scores = (q[:, :, p:] * k[:, :, p:]).sum(dim=-1, keepdim=True)
@@ -216,7 +222,7 @@ def tiled_local_attn(
             q.device,
             needs_autograd(q, k, v),
             dropout_p,
-            _self_only(rows, cols, p, prefix_visible),
+            is_self_only(rows, cols, p, prefix_visible),
             dense_is_cheaper(rows, cols, p, prefix_visible),
         ),
     )

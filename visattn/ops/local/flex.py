@@ -66,6 +66,14 @@ def tile_shape(width: int) -> tuple[int, int]:
     return BLOCK // tw, tw
 
 
+def sequence_length(grid: tuple[int, int], num_prefix_tokens: int) -> int:
+    """S, the slots of the tokens in tile order: the prefix tokens padded to whole blocks, then the grid
+    padded to whole tiles of :func:`tile_shape`."""
+    (h, w), p = grid, num_prefix_tokens
+    th, tw = tile_shape(w)
+    return math.ceil(p / BLOCK) * BLOCK + math.ceil(h / th) * th * math.ceil(w / tw) * tw
+
+
 @dataclass(frozen=True, eq=False)
 class FlexLayout:
     """The tokens in tile order and the block mask over them. Slot s of the permuted sequence reads
@@ -107,7 +115,7 @@ def flex_layout(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_v
     th, tw = tile_shape(W)
     nth, ntw = math.ceil(H / th), math.ceil(W / tw)
     prefix_slots = math.ceil(p / BLOCK) * BLOCK
-    slot_count = prefix_slots + nth * th * ntw * tw
+    slot_count = sequence_length((H, W), p)
 
     # the patch slots: tile (i, j) in raster order of tiles, its cells in raster order inside it
     y = rearrange(torch.arange(nth * th, device=device), "(ti r) -> ti 1 r 1", r=th).expand(nth, ntw, th, tw).flatten()

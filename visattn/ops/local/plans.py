@@ -61,12 +61,18 @@ class AxisTiling(NamedTuple):
     num_tiles: int
     region: int
     keys_seen: int
+    length: int
+
+    @property
+    def self_only(self) -> bool:
+        """Every query's window is the query itself: one key each, and a window holds its own query."""
+        return self.keys_seen == self.length
 
 
 def neighborhood_tiling(length: int, kernel_size: int, tile_size: int) -> AxisTiling:
     """The tiling of :func:`neighborhood_axis`: every query sees ``min(kernel_size, length)`` keys."""
     k, tile = min(kernel_size, length), min(tile_size, length)
-    return AxisTiling(tile, math.ceil(length / tile), min(tile + k - 1, length), length * k)
+    return AxisTiling(tile, math.ceil(length / tile), min(tile + k - 1, length), length * k, length)
 
 
 def blocked_tiling(length: int, block_size: int, halo: int) -> AxisTiling:
@@ -75,7 +81,7 @@ def blocked_tiling(length: int, block_size: int, halo: int) -> AxisTiling:
     block = min(block_size, length)
     starts = range(0, length, block)
     seen = sum((min(s + block, length) - s) * (min(s + block + halo, length) - max(s - halo, 0)) for s in starts)
-    return AxisTiling(block, len(starts), min(block + 2 * halo, length), seen)
+    return AxisTiling(block, len(starts), min(block + 2 * halo, length), seen, length)
 
 
 @cache_per_inference_mode(maxsize=64)
@@ -84,7 +90,7 @@ def neighborhood_axis(length: int, kernel_size: int, tile: int, device: torch.de
     window is shifted inward at the borders so every query sees exactly k keys. A kernel wider than the
     axis is clamped to the axis: every query then sees the whole axis."""
     k = min(kernel_size, length)
-    tile, num_tiles, region, _ = neighborhood_tiling(length, kernel_size, tile)
+    tile, num_tiles, region, *_ = neighborhood_tiling(length, kernel_size, tile)
     queries = torch.arange(num_tiles * tile, device=device)
     lo = (queries - k // 2).clamp(0, length - k)
     # The first query's window starts the region; the last one's ends at most tile - 1 + k cells later.
@@ -96,7 +102,7 @@ def neighborhood_axis(length: int, kernel_size: int, tile: int, device: torch.de
 def blocked_axis(length: int, block_size: int, halo: int, device: torch.device) -> AxisPlan:
     """HaloNet windows: the queries of block ``[s, s + b)`` see ``[s - halo, s + b + halo)`` cut to the
     axis; the last block may be partial. One tile is one block."""
-    block, num_tiles, region, _ = blocked_tiling(length, block_size, halo)
+    block, num_tiles, region, *_ = blocked_tiling(length, block_size, halo)
     block_start = torch.arange(num_tiles * block, device=device) // block * block
     lo = (block_start - halo).clamp_min(0)
     hi = (block_start + block + halo).clamp_max(length)
