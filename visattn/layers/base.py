@@ -39,8 +39,8 @@ class GridAttention(nn.Module, ABC):
     """qkv -> token mixing (:meth:`mix`, one op of :mod:`visattn.ops`) -> proj.
 
     Subclasses set ``name`` and the capability flags, implement :meth:`mix`, and state their cost
-    (:meth:`mixing_flops`, :meth:`mixing_memory`, and :meth:`qkv_flops` where it differs), which
-    ``visattn-bench`` reads.
+    (:meth:`mixing_flops`, :meth:`mixing_memory`, and :meth:`qkv_flops` and :meth:`mixing_memory_on`
+    where they differ), which ``visattn-bench`` reads.
     """
 
     name: ClassVar[str]
@@ -187,8 +187,24 @@ class GridAttention(nn.Module, ABC):
     def mixing_memory(
         cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any], act_bytes: int
     ) -> MixingMemory:
-        """Bytes of one block's token mixing with activations of ``act_bytes`` bytes (see :meth:`mixing_flops`)."""
+        """Bytes of one block's token mixing with activations of ``act_bytes`` bytes (see :meth:`mixing_flops`),
+        on the paths its op takes on the CPU."""
         raise NotImplementedError(f"{cls.__name__} states no mixing_memory; the benchmark needs it to estimate memory")
+
+    @classmethod
+    def mixing_memory_on(
+        cls,
+        device: torch.device,
+        layout: TokenLayout,
+        num_heads: int,
+        head_dim: int,
+        options: Mapping[str, Any],
+        act_bytes: int,
+    ) -> MixingMemory:
+        """:meth:`mixing_memory` on the paths the op takes on ``device``: the CPU's figures, unless the type
+        overrides this because its op takes other paths there (:mod:`visattn.ops.backends`) that keep
+        other tensors."""
+        return cls.mixing_memory(layout, num_heads, head_dim, options, act_bytes)
 
     @classmethod
     def qkv_flops(cls, layout: TokenLayout, dim: int, options: Mapping[str, Any]) -> int:

@@ -9,14 +9,21 @@ Counting rules: FLOPs are those of the matrix products (2 per multiply-add), the
 and of timm's ``infer_gmacs`` (GMACs = GFLOPs / 2); elementwise work (norms, softmax, feature maps,
 masks) is not counted. The count is of the model's math, as for model-FLOPs utilisation: work an
 implementation repeats to save memory (a backward pass that recomputes) is not counted. Memory is
-bytes, from the implementation: what one block's token mixing keeps alive.
+bytes, from the implementation: what one block's token mixing keeps alive, on the paths its op takes on
+the device it is estimated for (the choice of :mod:`visattn.ops.backends`, asked with that device and
+without dropout).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
+from visattn.ops.backends import choose_local_backend
 from visattn.ops.local import AxisTiling
+from visattn.ops.local.engine import dense_is_cheaper, is_self_only
+from visattn.ops.local.flex import sequence_length
 
 
 @dataclass(frozen=True)
@@ -73,3 +80,43 @@ def tiled_memory(
     return MixingMemory(
         infer=layout.num_tokens * c * act_bytes, train=train, shared=queries * keys_per_tile * act_bytes
     )
+
+
+def flex_memory(num_heads: int, head_dim: int, slots: int, act_bytes: int) -> MixingMemory:
+    """The tiled local engine on FlexAttention (:func:`visattn.ops.local.flex.flex_local_attn`), over
+    ``slots`` tokens in tile order: q, k and v copied into that order, the kernel's output and its fp32
+    log-sum-exp per slot and head, all kept for the backward. No gathered tiles and no mask (the block
+    mask's tables, a few kB per layout, are left out); the qkv projection is not kept, since the
+    permutation's backward needs only its indices."""
+    kept = 4 * slots * num_heads * head_dim * act_bytes + 4 * num_heads * slots
+    return MixingMemory(infer=kept, train=kept)
+
+
+def local_memory(
+    layout: TokenLayout,
+    num_heads: int,
+    head_dim: int,
+    rows: AxisTiling,
+    cols: AxisTiling,
+    num_prefix_tokens: int,
+    prefix_visible: bool,
+    act_bytes: int,
+    device: torch.device,
+) -> MixingMemory:
+    """The tiled local engine (:func:`visattn.ops.local.tiled_local_attn`, with its ``num_prefix_tokens``
+    and ``prefix_visible``) on the path :func:`visattn.ops.backends.choose_local_backend` picks on
+    ``device`` in each mode: :func:`flex_memory` on FlexAttention, else :func:`tiled_memory` (whose tiles
+    also stand for the dense path of short sequences)."""
+    self_only = is_self_only(rows, cols, num_prefix_tokens, prefix_visible)
+    dense = dense_is_cheaper(rows, cols, num_prefix_tokens, prefix_visible)
+
+    def on_path(needs_grad: bool) -> MixingMemory:
+        if choose_local_backend(device, needs_grad, 0.0, self_only, dense) == "flex":
+            slots = sequence_length(layout.grid, num_prefix_tokens)
+            return flex_memory(num_heads, head_dim, slots, act_bytes)
+        num_visible = num_prefix_tokens if prefix_visible else 0
+        return tiled_memory(layout, num_heads, head_dim, rows, cols, num_visible, act_bytes)
+
+    infer, train = on_path(False), on_path(True)
+    # where the two modes' paths differ (the CPU's chunks and gathered tiles) both read the same mask
+    return MixingMemory(infer=infer.infer, train=train.train, shared=train.shared)

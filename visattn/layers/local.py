@@ -5,8 +5,10 @@ from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory, TokenLayout, tiled_memory, windowed_flops
+from visattn.layers.cost import MixingMemory, TokenLayout, local_memory, tiled_memory, windowed_flops
 from visattn.ops.local import AxisTiling
 
 
@@ -28,3 +30,17 @@ class LocalWindowAttention(GridAttention):
         cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any], act_bytes: int
     ) -> MixingMemory:
         return tiled_memory(layout, num_heads, head_dim, *cls.window_tilings(layout.grid, options), 0, act_bytes)
+
+    @classmethod
+    def mixing_memory_on(
+        cls,
+        device: torch.device,
+        layout: TokenLayout,
+        num_heads: int,
+        head_dim: int,
+        options: Mapping[str, Any],
+        act_bytes: int,
+    ) -> MixingMemory:
+        """FlexAttention's tensors where the engine takes it (CUDA), else the tiles' (:func:`local_memory`)."""
+        rows, cols = cls.window_tilings(layout.grid, options)
+        return local_memory(layout, num_heads, head_dim, rows, cols, layout.num_prefix_tokens, False, act_bytes, device)

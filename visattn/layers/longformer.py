@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory, tiled_memory
+from visattn.layers.cost import MixingMemory, local_memory, tiled_memory
 from visattn.layers.neighborhood import NeighborhoodAttention
 from visattn.layers.sparse import SparseAttention
 from visattn.ops.checks import check_nonnegative_int
@@ -111,6 +111,13 @@ class LongformerAttention(GridAttention):
     def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
         g = layout.num_prefix_tokens + options["num_extra_global_tokens"]  # every patch sees the global keys
         return tiled_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), g, act_bytes)
+
+    @classmethod
+    def mixing_memory_on(cls, device, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+        """FlexAttention's tensors where the engine takes it (CUDA), else the tiles'
+        (:func:`visattn.layers.cost.local_memory`), with the global tokens seen by every patch."""
+        g = layout.num_prefix_tokens + options["num_extra_global_tokens"]
+        return local_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), g, True, act_bytes, device)
 
     @staticmethod
     def _tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:
