@@ -1,6 +1,6 @@
 """The memory each type's token mixing keeps on the paths its op takes on a device
 (:meth:`visattn.layers.GridAttention.mixing_memory_on`): the CPU's figures unchanged, FlexAttention's
-tensors for the local types on CUDA."""
+tensors for the local types on CUDA, SDPA's for axial."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,10 @@ import torch
 
 import visattn
 from visattn.layers import attention_options, get_attention
+from visattn.layers.axial import AxialAttention, sdpa_train_memory
 from visattn.layers.cost import MixingMemory, TokenLayout
+from visattn.ops.axial import packed_axial_attn
+from visattn.ops.backends import force_backend
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device is only named here: nothing runs on CUDA
 
@@ -57,3 +60,47 @@ def test_a_local_type_on_cuda_keeps_the_tiles_where_the_dense_path_runs():
     layout, options = TokenLayout((14, 14), 1), attention_options("neighborhood", {}, (14, 14))
     layer = get_attention("neighborhood")
     assert layer.mixing_memory_on(CUDA, layout, 6, 64, options, 2) == layer.mixing_memory(layout, 6, 64, options, 2)
+
+
+def test_axial_on_cuda_counts_what_sdpa_keeps_in_each_hop():
+    """5 x 7 patches (M = 35) after P = 2 prefix tokens (N = 37), 2 heads of 8, 2-byte activations; in
+    elements of C = 16 channels:
+
+    * the qkv projection, 3 N = 111 (the prefix queries' SDPA keeps k and v, views of it);
+    * the row hop: q's rows copied (M = 35), k's and v's rows with the prefix keys in front, 2 H (P + W) =
+      90, and its output, M = 35;
+    * the column hop: q's columns copied (35), k's columns and the row output's with the prefix in front,
+      2 W (P + H) = 98, and its output, 35;
+    * the prefix queries' output, P = 2;
+
+    441 x 16 x 2 bytes, plus fp32 log-sum-exps for the 35 + 35 + 2 query rows of the three SDPAs, 2 heads."""
+    layout = TokenLayout((5, 7), 2)
+    expected = (111 + 35 + 90 + 35 + 35 + 98 + 35 + 2) * 16 * 2 + 4 * 2 * (35 + 35 + 2)
+    cuda = AxialAttention.mixing_memory_on(CUDA, layout, 2, 8, {}, 2)
+    cpu = AxialAttention.mixing_memory(layout, 2, 8, {}, 2)
+    assert cuda == cpu._replace(train=expected)  # inference takes plain SDPA on every device
+
+
+def _saved_bytes(fn, *inputs: torch.Tensor) -> int:
+    """Bytes of the distinct storages that autograd keeps for the backward of ``fn(*inputs)``."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("grid, p", [((5, 7), 2), ((4, 6), 0)], ids=["grid5x7-p2", "grid4x6-p0"])
+def test_axial_sdpa_memory_is_what_autograd_keeps(grid, p):
+    """The ``"sdpa"`` path forced on the CPU, whose fused SDPA keeps what CUDA's does (q, k, v, output and
+    an fp32 log-sum-exp per query row): the storages saved for the backward, batch 2, fp32, are the
+    formula's to the byte."""
+    batch, heads, d = 2, 2, 8
+    qkv = torch.randn(batch, p + grid[0] * grid[1], 3 * heads * d, requires_grad=True)
+    with force_backend("axial", "sdpa"):
+        saved = _saved_bytes(lambda t: packed_axial_attn(t, heads, grid, p), qkv)
+    assert saved == batch * sdpa_train_memory(TokenLayout(grid, p), heads, d, 4)

@@ -5,8 +5,9 @@ import torch
 import torch.nn as nn
 
 from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory
+from visattn.layers.cost import MixingMemory, TokenLayout
 from visattn.ops.axial import axial_attn, packed_axial_attn
+from visattn.ops.backends import choose_axial_backend
 
 
 class AxialAttention(GridAttention):
@@ -50,3 +51,31 @@ class AxialAttention(GridAttention):
         (inference) and, on the CPU path, the row hop's output and log-sum-exps kept for the backward."""
         n, c = layout.num_tokens, num_heads * head_dim
         return MixingMemory(infer=2 * n * c * act_bytes, train=3 * n * c * act_bytes)
+
+    @classmethod
+    def mixing_memory_on(cls, device, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+        """Training on the path :func:`visattn.ops.backends.choose_axial_backend` picks on ``device``: the
+        CPU's (:meth:`mixing_memory`), or autograd through SDPA (off the CPU: :func:`sdpa_train_memory`).
+        Inference takes plain SDPA everywhere."""
+        memory = cls.mixing_memory(layout, num_heads, head_dim, options, act_bytes)
+        if choose_axial_backend(device, 0.0, needs_grad=True) != "sdpa":
+            return memory
+        return memory._replace(train=sdpa_train_memory(layout, num_heads, head_dim, act_bytes))
+
+
+def sdpa_train_memory(layout: TokenLayout, num_heads: int, head_dim: int, act_bytes: int) -> int:
+    """Bytes per image that autograd keeps through :func:`visattn.ops.axial.hops.rows_then_columns` (the
+    ``"sdpa"`` path), where every SDPA keeps its q, k, v, its output and an fp32 log-sum-exp per query and
+    head: the qkv projection (the prefix queries' keys and values are views of it, or without prefix
+    tokens the row hop's), the copies that each hop makes of its sequences, and the hops' outputs. The
+    op's own output is the projection's input, counted with the block."""
+    (h, w), p, m = layout.grid, layout.num_prefix_tokens, layout.num_patches
+    qkv = 3 * layout.num_tokens
+    # rows: with prefix tokens, q's rows are a copy (a view at batch 1, counted as a copy) and k's and
+    # v's rows are copies with the prefix keys in front; without, all three are views of the projection
+    row_copies = m + 2 * h * (p + w) if p else 0
+    # columns: q's columns, and k's and the row hop's output with the prefix in front, always copies
+    column_copies = m + 2 * w * (p + h)
+    outputs = 2 * m + p  # the row hop's (the column values), the column hop's, the prefix queries'
+    elements = qkv + row_copies + column_copies + outputs
+    return elements * num_heads * head_dim * act_bytes + 4 * num_heads * (2 * m + p)
