@@ -26,9 +26,9 @@ Memory
 :func:`estimate_memory` is the memory a configuration allocates on top of the runtime itself (CUDA
 context, interpreter and libraries are not included): parameters (x4 in training: weights, gradients
 and the two AdamW moments), the activations saved for the backward (training) or the largest live set
-of one block (inference), and each type's own buffers (:meth:`~visattn.layers.GridAttention.mixing_memory`).
-It is an estimate for deciding what to skip, good to a small factor; ``visattn-bench`` measures the
-real peak.
+of one block (inference), and each type's own buffers on the paths its op takes on the device
+(:meth:`~visattn.layers.GridAttention.mixing_memory_on`). It is an estimate for deciding what to skip,
+good to a small factor; ``visattn-bench`` measures the real peak.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from visattn.layers import get_attention
@@ -174,8 +175,10 @@ def estimate_memory(
     act_bytes: int,
     param_count: int,
     grad_checkpointing: bool = False,
+    device: torch.device | str = "cpu",
 ) -> int:
-    """Bytes a forward (``training=False``) or a training step with AdamW allocates at its peak.
+    """Bytes a forward (``training=False``) or a training step with AdamW allocates at its peak, with the
+    type's buffers on the paths its op takes on ``device``.
 
     Per image and block, training keeps ``5 N C + 2 N C_mlp`` activations for the backward (the inputs of
     both norms, of qkv, proj, fc1, and of the GELU and fc2) plus the type's saved tensors, and needs
@@ -187,7 +190,9 @@ def estimate_memory(
     """
     layout = shape.layout(img_size)
     n, c, hidden = layout.num_tokens, shape.embed_dim, shape.mlp_hidden
-    mix = get_attention(attn).mixing_memory(layout, shape.num_heads, shape.head_dim, options, act_bytes)
+    mix = get_attention(attn).mixing_memory_on(
+        torch.device(device), layout, shape.num_heads, shape.head_dim, options, act_bytes
+    )
     image = 3 * img_size[0] * img_size[1] * 4 + 2 * n * c * act_bytes
     mlp_stage = (2 * n * c + 2 * n * hidden) * act_bytes
     attention_stage = 6 * n * c * act_bytes + mix.infer

@@ -164,7 +164,7 @@ def tiled_cost(shape: ViTShape, case: Case, options: dict[str, Any], param_count
     flops = tiles * ((train_flops if training else vit_flops)(shape, case.tile, "softmax", options) - head) + head
     estimate = estimate_memory(
         shape, case.tile, "softmax", options, case.batch_size * tiles, training, case.act_bytes, param_count,
-        grad_checkpointing=case.grad_checkpointing,
+        grad_checkpointing=case.grad_checkpointing, device=case.device,
     )
     return flops, estimate
 
@@ -224,7 +224,7 @@ def plan_model_point(args: argparse.Namespace, point: Point) -> list[Result]:
                 flops = (train_flops if training else vit_flops)(shape, point.size, cost_attn, options)
                 estimate = estimate_memory(
                     shape, point.size, cost_attn, options, point.batch_size, training, case.act_bytes, param_count,
-                    grad_checkpointing=args.grad_checkpointing,
+                    grad_checkpointing=args.grad_checkpointing, device=case.device,
                 )
             group.append(Result(case, grid[0] * grid[1], grid, flops, estimate, param_count))
     return group
@@ -272,7 +272,9 @@ def plan_ops_point(args: argparse.Namespace, point: Point) -> list[Result]:
                 build_layer(case, device="meta")  # checks the options, before any worker starts
                 layer, options = get_attention(attn), attention_options(attn, case.attn_kwargs, grid)
                 flops = layer.mixing_flops(layout, args.heads, args.head_dim, options)
-                mix = layer.mixing_memory(layout, args.heads, args.head_dim, options, case.act_bytes)
+                mix = layer.mixing_memory_on(
+                    torch.device(case.device), layout, args.heads, args.head_dim, options, case.act_bytes
+                )
             flops *= 3 if mode == "train" else 1  # each product has two products in its backward
             group.append(Result(case, layout.num_tokens, grid, flops, estimate_op_memory(case, layout, mix), 0))
     return group
