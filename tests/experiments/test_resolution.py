@@ -146,6 +146,12 @@ def test_sizes_the_tiles_cannot_take_name_their_flag():
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             larger_size.check_sizes(stage, img_size, overlaps)
+    scaled_down = summarise.FinishedRun("linear", 0, Path("run"), make_config({
+        "dataset": "cluttered-digits", "img_size": 64, "patch_size": 4, "dataset_kwargs": {"canvas_size": 128},
+    }), {}, (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
+    with pytest.raises(ValueError, match=re.escape("--run-root: run drew its images at canvas_size 128 px whatever "
+                                                   "its img_size; the columns compare the sizes a generator draws at")):
+        larger_size.check_sizes(scaled_down, 128, [0])
 
 
 def test_a_missing_or_unfinished_run_is_one_line_naming_it(tmp_path, capsys):

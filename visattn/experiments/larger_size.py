@@ -48,8 +48,13 @@ class Evaluation:
 
 
 def check_sizes(stage: FinishedRun, img_size: int, overlaps: list[int]) -> None:
-    """ValueError, naming the flag, for a size or an overlap the tiles of ``stage``'s model cannot take."""
+    """ValueError, naming the flag, for a size or an overlap the tiles of ``stage``'s model cannot take, or for a
+    run whose images were drawn at a ``canvas_size`` of their own (the columns draw at each size)."""
     trained, patch = stage.config.image_hw, stage.config.patch_size
+    canvas = stage.config.dataset_kwargs.get("canvas_size", 0)
+    if canvas:
+        raise ValueError(f"--run-root: {stage.run_dir} drew its images at canvas_size {canvas} px whatever its "
+                         f"img_size; the columns compare the sizes a generator draws at: use runs with canvas_size 0")
     if img_size < max(trained) or img_size % patch:
         raise ValueError(f"--img-size: must be a multiple of the patch size ({patch} px) and at least the size "
                          f"{stage.run_dir} was trained at ({trained[0]}x{trained[1]} px), got {img_size}")

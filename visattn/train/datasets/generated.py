@@ -1,5 +1,5 @@
 """The generated tasks (:mod:`visattn.train.generated`) as ``--dataset`` names: drawn from a seed at the
-config's image size and cached under the data directory, nothing to download."""
+config's image size (or at ``canvas_size``) and cached under the data directory, nothing to download."""
 from __future__ import annotations
 
 from visattn.train.datasets.spec import DataSource, DatasetSpec, DataSplits

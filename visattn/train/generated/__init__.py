@@ -11,9 +11,8 @@ The generators use NumPy and Pillow only. Options come from ``dataset_kwargs``
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ def task_options(name: str, values: Mapping[str, Any], image_hw: tuple[int, int]
 def drawn_as(options: Any, image_hw: tuple[int, int]) -> tuple[Any, tuple[int, int]]:
     """The options and (H, W) the images of ``options`` are drawn with for a config of ``image_hw``: as at an
     ``img_size`` of the canvas's side, so that both share one cache."""
-    return dataclasses.replace(options, canvas_size=0), canvas_hw(options, image_hw)
+    return replace(options, canvas_size=0), canvas_hw(options, image_hw)
 
 
 class GeneratedDataset(Dataset):
