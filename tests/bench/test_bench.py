@@ -514,11 +514,13 @@ def test_memory_estimate_orders(attn):
     params = 22_000_000
 
     def estimate(img, batch, training):
-        return estimate_memory(shape, (img, img), attn, options, batch, training, 4, params)
+        return estimate_memory(shape, (img, img), attn, options, batch, training, 4, params, device="cpu")
 
     assert 4 * params < estimate(512, 1, False) < estimate(512, 1, True)
     assert estimate(512, 1, True) < estimate(1024, 1, True) < estimate(1024, 2, True)
-    checkpointed = estimate_memory(shape, (1024, 1024), attn, options, 1, True, 4, params, grad_checkpointing=True)
+    checkpointed = estimate_memory(
+        shape, (1024, 1024), attn, options, 1, True, 4, params, grad_checkpointing=True, device="cpu"
+    )
     assert estimate(1024, 1, False) < checkpointed < estimate(1024, 1, True)
 
 
@@ -529,8 +531,8 @@ def _stem_extra(patch_size: int, img: int, training: bool, batch: int) -> int:
                               class_token=False, global_pool="avg")
     with_stem = ViTShape.from_model(model)
     without = dataclasses.replace(with_stem, stem=())
-    return (estimate_memory(with_stem, (img, img), "floor", {}, batch, training, 4, 1000)
-            - estimate_memory(without, (img, img), "floor", {}, batch, training, 4, 1000))
+    return (estimate_memory(with_stem, (img, img), "floor", {}, batch, training, 4, 1000, device="cpu")
+            - estimate_memory(without, (img, img), "floor", {}, batch, training, 4, 1000, device="cpu"))
 
 
 def test_a_conv_stem_adds_what_its_norms_keep_to_the_training_estimate():

@@ -55,8 +55,9 @@ def test_a_local_type_on_cuda_counts_flex_attention_and_no_gathered_copies(attn,
 
 
 def test_a_local_type_on_cuda_keeps_the_tiles_where_the_dense_path_runs():
-    """7 x 7 windows on 14 x 14 patches: the engine takes the dense path on every device, which the
-    estimate leaves to the tiles' figures, as on the CPU."""
+    """7 x 7 windows on 14 x 14 patches: the engine takes the dense path on every device, for which the
+    estimate counts the tiles' figures, as on the CPU: an approximation, since the dense path keeps an
+    N x N additive mask instead of the gathered tiles and their mask."""
     layout, options = TokenLayout((14, 14), 1), attention_options("neighborhood", {}, (14, 14))
     layer = get_attention("neighborhood")
     assert layer.mixing_memory_on(CUDA, layout, 6, 64, options, 2) == layer.mixing_memory(layout, 6, 64, options, 2)

@@ -175,10 +175,13 @@ def estimate_memory(
     act_bytes: int,
     param_count: int,
     grad_checkpointing: bool = False,
-    device: torch.device | str = "cpu",
+    *,
+    device: torch.device | str,
 ) -> int:
     """Bytes a forward (``training=False``) or a training step with AdamW allocates at its peak, with the
-    type's buffers on the paths its op takes on ``device``.
+    type's buffers on the paths its op takes on ``device`` in eager mode: the choice of path reads
+    ``torch.compiler.is_compiling()``, which is False while a sweep is planned, so a ``--compile`` run is
+    estimated on the eager paths.
 
     Per image and block, training keeps ``5 N C + 2 N C_mlp`` activations for the backward (the inputs of
     both norms, of qkv, proj, fc1, and of the GELU and fc2) plus the type's saved tensors, and needs

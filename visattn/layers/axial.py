@@ -1,6 +1,9 @@
 """Axial attention layer (Ho et al. 2019): row, then column softmax attention over the patch grid."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -53,7 +56,15 @@ class AxialAttention(GridAttention):
         return MixingMemory(infer=2 * n * c * act_bytes, train=3 * n * c * act_bytes)
 
     @classmethod
-    def mixing_memory_on(cls, device, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+    def mixing_memory_on(
+        cls,
+        device: torch.device,
+        layout: TokenLayout,
+        num_heads: int,
+        head_dim: int,
+        options: Mapping[str, Any],
+        act_bytes: int,
+    ) -> MixingMemory:
         """Training on the path :func:`visattn.ops.backends.choose_axial_backend` picks on ``device``: the
         CPU's (:meth:`mixing_memory`), or autograd through SDPA (off the CPU: :func:`sdpa_train_memory`).
         Inference takes plain SDPA everywhere."""

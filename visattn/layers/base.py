@@ -203,7 +203,8 @@ class GridAttention(nn.Module, ABC):
     ) -> MixingMemory:
         """:meth:`mixing_memory` on the paths the op takes on ``device``: the CPU's figures, unless the type
         overrides this because its op takes other paths there (:mod:`visattn.ops.backends`) that keep
-        other tensors."""
+        other tensors. The paths are the eager ones: the choosers read ``torch.compiler.is_compiling()``,
+        False outside a compiled graph, so a compiled model is estimated on the eager paths."""
         return cls.mixing_memory(layout, num_heads, head_dim, options, act_bytes)
 
     @classmethod

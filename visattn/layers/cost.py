@@ -105,8 +105,9 @@ def local_memory(
 ) -> MixingMemory:
     """The tiled local engine (:func:`visattn.ops.local.tiled_local_attn`, with its ``num_prefix_tokens``
     and ``prefix_visible``) on the path :func:`visattn.ops.backends.choose_local_backend` picks on
-    ``device`` in each mode: :func:`flex_memory` on FlexAttention, else :func:`tiled_memory` (whose tiles
-    also stand for the dense path of short sequences)."""
+    ``device`` in each mode: :func:`flex_memory` on FlexAttention, else :func:`tiled_memory`. The dense path
+    of short sequences is counted as the tiles too, an approximation: it keeps an N x N additive mask
+    instead of the gathered tiles and their mask."""
     self_only = is_self_only(rows, cols, num_prefix_tokens, prefix_visible)
     dense = dense_is_cheaper(rows, cols, num_prefix_tokens, prefix_visible)
 

@@ -1,13 +1,14 @@
 """2D Longformer layer (ViL-style): local windows on the patch grid plus global tokens."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory, local_memory, tiled_memory
+from visattn.layers.cost import MixingMemory, TokenLayout, local_memory, tiled_memory
 from visattn.layers.neighborhood import NeighborhoodAttention
 from visattn.layers.sparse import SparseAttention
 from visattn.ops.checks import check_nonnegative_int
@@ -109,15 +110,28 @@ class LongformerAttention(GridAttention):
 
     @classmethod
     def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
-        g = layout.num_prefix_tokens + options["num_extra_global_tokens"]  # every patch sees the global keys
+        g = cls._num_global(layout, options)
         return tiled_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), g, act_bytes)
 
     @classmethod
-    def mixing_memory_on(cls, device, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+    def mixing_memory_on(
+        cls,
+        device: torch.device,
+        layout: TokenLayout,
+        num_heads: int,
+        head_dim: int,
+        options: Mapping[str, Any],
+        act_bytes: int,
+    ) -> MixingMemory:
         """FlexAttention's tensors where the engine takes it (CUDA), else the tiles'
         (:func:`visattn.layers.cost.local_memory`), with the global tokens seen by every patch."""
-        g = layout.num_prefix_tokens + options["num_extra_global_tokens"]
+        g = cls._num_global(layout, options)
         return local_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), g, True, act_bytes, device)
+
+    @staticmethod
+    def _num_global(layout: TokenLayout, options: Mapping[str, Any]) -> int:
+        """The global keys every patch sees: the prefix tokens and the extra global tokens."""
+        return layout.num_prefix_tokens + options["num_extra_global_tokens"]
 
     @staticmethod
     def _tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:
