@@ -32,8 +32,9 @@ test-fast: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(VENV)/bin/visattn-bench
 
-# On a machine with an NVIDIA GPU: the cuda tests, the GPU benchmark rows, a short bf16 training run and a
-# kernel profile per type, into $(DEVICE_CHECK_OUT) (see scripts/device_check.sh).
+# On a machine with an NVIDIA GPU: the cuda tests, the GPU benchmark rows, a short bf16 training run and
+# kernel profiles, into $(DEVICE_CHECK_OUT); STAGES="max_tokens compile_1024" adds the largest grid each type
+# trains at and compiled rows (see scripts/device_check.sh).
 DEVICE_CHECK_OUT ?= device_check_out
 device-check:
 	OUT=$(DEVICE_CHECK_OUT) PYTHON=$(PYTHON) bash scripts/device_check.sh

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check: the cuda tests, the GPU benchmark rows (ViT-S/16, bf16), one short bf16 training run at
-# 4,096 tokens and a kernel profile per type, each stage under its own time limit so that one failure leaves the others' results.
+# 4,096 tokens, kernel profiles, the largest grid each type trains at and compiled rows, each stage under its own
+# time limit so that one failure leaves the others' results.
 # Usage: OUT=results_dir [ARCHIVE=file.tgz] [COMMIT=sha] bash scripts/device_check.sh   (from the repository
 # root, on a GPU machine). After every stage OUT/results.md (the dated results page, scripts/device_report.py)
 # is written anew, and ARCHIVE, if set (outside OUT), with all of OUT but the run's weights.
-# Stage limits (seconds) are CUDA_TESTS_LIMIT, INFER_LIMIT, TRAIN_LIMIT, TRAIN_2048_LIMIT, RUN_LIMIT, PROFILE_LIMIT:
-# 710 s in all by default, 1.4 times the stages' 491 s on an H200 (1.2 to 3 times each; the training run spends
-# most of its 117 s drawing its 1024 px canvases). STAGES (default all) runs some of them. The largest grid each type trains at: visattn-bench max-tokens --device cuda (not part of the check).
+# Stage limits (seconds) are CUDA_TESTS_LIMIT, INFER_LIMIT, TRAIN_LIMIT, TRAIN_2048_LIMIT, RUN_LIMIT, PROFILE_LIMIT,
+# MAX_TOKENS_LIMIT, COMPILE_LIMIT; STAGES (below) chooses them. The training run's images are drawn in the
+# background on half the CPUs from the start, so that the stages before it hide the drawing.
 set -uo pipefail
 OUT=${OUT:-device_check_out}
 mkdir -p "$OUT"
@@ -14,10 +15,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1  # a stage stopped at its limit keeps the log it printed
 PY=${PYTHON:-python3}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-STAGES=${STAGES:-all}  # or some of the stage names below, e.g. STAGES="cuda_tests infer_2048"
+# The check (about 7 minutes on an H200); max_tokens and compile_1024 (about 9 more) run when named.
+CHECK="cuda_tests infer_2048 infer_1024 train_1024 infer_224 train_2048 train_run profile_train_1024 profile_2048 profile_224"
+STAGES=${STAGES:-$CHECK}  # or some of the stage names below, e.g. STAGES="cuda_tests infer_2048"
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
-  [ "$STAGES" = all ] || [[ " $STAGES " == *" $name "* ]] || return 0
+  [[ " $STAGES " == *" $name "* ]] || return 0
   echo "== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/commands.txt"
   local start=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -33,6 +36,14 @@ stage() {  # stage NAME SECONDS COMMAND...
   $PY -c "import sys, torch, timm, accelerate; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'timm', timm.__version__, 'accelerate', accelerate.__version__)"
 } >"$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
+# The training run's splits, drawn and cached (under ./data, as train.py reads them) while the GPU stages run.
+RUN_DATA="train_size=2560 val_size=320 test_size=320"
+if [[ " $STAGES " == *" train_run "* ]]; then
+  taskset -c "$(( $(nproc) / 2 ))-$(( $(nproc) - 1 ))" $PY -c "import sys; from visattn.train.generated import load_generated
+load_generated('cluttered-digits', {k: int(v) for k, v in (kv.split('=') for kv in sys.argv[1:])}, (1024, 1024), 'data')" $RUN_DATA \
+    >"$OUT/predraw.log" 2>&1 &
+  PREDRAW=$!
+fi
 BENCH="$PY -m visattn.bench --device cuda --dtype bf16 --warmup 2 --min-iters 5 --min-seconds 0.25 --max-seconds 5"
 ATTN="--attn linear axial neighborhood sparse longformer linformer"  # beside timm (flash SDPA) and floor
 # Most important first: a stage past its limit loses only itself (the benchmark writes the rows it measured).
@@ -42,11 +53,21 @@ stage infer_1024 "${INFER_LIMIT:-75}" $BENCH --modes infer --sizes 1024 --batch-
 stage train_1024 "${TRAIN_LIMIT:-60}" $BENCH --modes train --sizes 1024 --batch-size 8 --attn linear axial neighborhood --out "$OUT/train_1024"
 stage infer_224 "${INFER_LIMIT:-75}" $BENCH --modes infer --sizes 224 --batch-size 128 $ATTN --out "$OUT/infer_224"
 stage train_2048 "${TRAIN_2048_LIMIT:-45}" $BENCH --modes train --sizes 2048 --batch-size 2 --attn linear --out "$OUT/train_2048"
-# The README's bf16 run at 1024 px (4,096 tokens), one short epoch.
+# The README's bf16 run at 1024 px (4,096 tokens), one short epoch, once its images are drawn.
+[ -z "${PREDRAW:-}" ] || wait "$PREDRAW"
 stage train_run "${RUN_LIMIT:-150}" $PY -m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision bf16 \
   --dynamo_backend no train.py --dataset cluttered-digits --img-size 1024 --model vit_small_patch16_224 --attn linear \
-  --batch-size 32 --epochs 1 --warmup-epochs 0 --dataset-kwargs train_size=2560 val_size=320 test_size=320 \
+  --batch-size 32 --epochs 1 --warmup-epochs 0 --dataset-kwargs $RUN_DATA \
   --num-workers 14 --measure-loader 8 --run-dir "$OUT/run_linear_4096" --overwrite
+# Where a training step's time goes, beside floor's (the training targets).
+stage profile_train_1024 "${PROFILE_LIMIT:-40}" $PY scripts/profile_block.py --device cuda --dtype bf16 --size 1024 --batch-size 8 \
+  --mode train --attn softmax linear axial neighborhood --top 6
+# The largest grid each type trains at, batch 1, in 80 GB: doubling from 131,072 tokens, then bisecting to 50%.
+stage max_tokens "${MAX_TOKENS_LIMIT:-400}" $PY -m visattn.bench max-tokens --device cuda --dtype bf16 --modes train \
+  --max-memory 80GB --min-tokens 131072 --max-tokens 1048576 --tolerance 0.5 --trial-timeout 40 $ATTN --out "$OUT/max_tokens"
+# torch.compile: the 1024 px inference rows compiled (the first warm-up round compiles).
+stage compile_1024 "${COMPILE_LIMIT:-150}" $BENCH --compile --modes infer --sizes 1024 --batch-size 16 \
+  --attn linear axial neighborhood --out "$OUT/compile_1024"
 # Where the time goes, kernel by kernel, beside floor's: block 0 at the sizes of the targets.
 stage profile_2048 "${PROFILE_LIMIT:-40}" $PY scripts/profile_block.py --device cuda --dtype bf16 --size 2048 --batch-size 4 \
   --attn softmax linear axial neighborhood sparse longformer linformer --top 6

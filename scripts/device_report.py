@@ -4,7 +4,8 @@
 
 The page holds the machine (GPU, driver, Python, torch, CUDA, timm, accelerate), every command with its exit
 status and time, the cuda tests' summary line, each benchmark table as the benchmark wrote it, and the
-training run's loader and step speeds, peak memory and accuracy, and the kernel profiles. It copies figures, never edits them.
+training run's loader and step speeds, peak memory and accuracy, the kernel profiles, and the max-tokens table with
+each of its trials. It copies figures, never edits them.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import json
 import re
 from pathlib import Path
 
-BENCH_STAGES = ("infer_2048", "infer_1024", "train_1024", "infer_224", "train_2048")
-PROFILE_STAGES = ("profile_2048", "profile_224")
+BENCH_STAGES = ("infer_2048", "infer_1024", "train_1024", "infer_224", "train_2048", "compile_1024")
+PROFILE_STAGES = ("profile_train_1024", "profile_2048", "profile_224")
 
 
 def _read(path: Path) -> str:
@@ -80,6 +81,12 @@ def report(out: Path, commit: str) -> str:
         if (out / stage).is_dir() or (out / f"{stage}.log").is_file():
             lines += [f"## {stage}", "", *_bench_section(out / stage)]
     lines += ["## Training run at 4,096 tokens", "", *_run_section(out)]
+    table = _read(out / "max_tokens" / "maxlen.md")
+    trials = [line.strip() for line in _read(out / "max_tokens.log").splitlines() if re.search(r" tokens \(\d+x\d+\): ", line)]
+    if table or trials:
+        demoted = [re.sub(r"^(#+)", r"#\1", line) for line in table.splitlines()]
+        lines += ["## max_tokens", "", *(demoted or ["No table: the stage did not finish a row."]), "",
+                  "Trials, in the order run:", "", "```", *trials, "```", ""]
     for stage in PROFILE_STAGES:
         log = _read(out / f"{stage}.log")
         if log:

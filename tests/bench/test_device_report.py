@@ -36,3 +36,17 @@ def test_the_page_copies_the_machine_commands_tests_tables_and_run(tmp_path):
     assert "- loader alone: `loader alone: 4463 img/s per process over 8 batches of 64 to cuda`" in page
     assert "- epoch 1: 513 img/s, peak 18287 MiB (cuda_allocated), val acc 10.0%" in page
     assert "## infer_1024" not in page  # a stage that never ran has no section
+
+
+def test_the_page_copies_the_max_tokens_table_and_its_trials(tmp_path):
+    (tmp_path / "max_tokens").mkdir()
+    (tmp_path / "max_tokens" / "maxlen.md").write_text("# max tokens within 74.51 GiB: title\n\n| attn | training: max tokens |\n")
+    (tmp_path / "max_tokens.log").write_text(
+        "some warning\ntimm train 131,044 tokens (362x362): ok in 12.0 s, peak 30,112 MB\n"
+        "timm train 262,144 tokens (512x512): time in 40.0 s\n"
+    )
+    page = report(tmp_path, "abc1234")
+    assert "## max_tokens\n\n## max tokens within 74.51 GiB: title\n\n| attn | training: max tokens |" in page
+    assert ("```\ntimm train 131,044 tokens (362x362): ok in 12.0 s, peak 30,112 MB\n"
+            "timm train 262,144 tokens (512x512): time in 40.0 s\n```") in page
+    assert "some warning" not in page

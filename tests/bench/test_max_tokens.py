@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from visattn.bench import cli
 from visattn.bench.cli import MAX_TOKENS, parse_memory
-from visattn.bench.search import search_largest, square_grid
+from visattn.bench.search import MaxTokensSweep, search_largest, square_grid
 from visattn.bench.sweep import Case
 from visattn.bench.trial import run_trial
 
@@ -224,3 +224,25 @@ def test_argument_errors_are_one_line(capsys, argv, message):
     assert exit_info.value.code == 2
     error_lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and message in error_lines[0], error_lines
+
+
+def test_a_stopped_search_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    # A time limit ends the command in the middle of a row (SIGTERM unwinds as SystemExit): the rows before it
+    # are in the files already.
+    search = MaxTokensSweep.search
+
+    def stop_at_linear(self, attn, mode, report):
+        if attn == "linear":
+            raise SystemExit(143)
+        return search(self, attn, mode, report)
+
+    monkeypatch.setattr(MaxTokensSweep, "search", stop_at_linear)
+    with pytest.raises(SystemExit):
+        cli.main([MAX_TOKENS, "--attn", "linear", "--references", "timm", "floor", "--num-classes", "10",
+                  "--modes", "train", "--model-kwargs", "embed_dim=16", "depth=1", "num_heads=2", "patch_size=4",
+                  "--max-memory", "1GiB", "--min-tokens", "64", "--max-tokens", "100", "--device", "cpu",
+                  "--out", str(tmp_path)])
+    rows = _read_csv(tmp_path / "maxlen.csv")
+    assert [(r["attn"], r["max_tokens"]) for r in rows] == [("timm", "100"), ("floor", "100")]
+    assert {t["attn"] for t in _read_csv(tmp_path / "maxlen_trials.csv")} == {"timm", "floor"}
+    assert "| `floor` | ≥ 100 |" in (tmp_path / "maxlen.md").read_text()

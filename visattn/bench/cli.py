@@ -378,14 +378,18 @@ def _trial_progress(row: Row, trial: Trial) -> None:
 
 
 def run_max_tokens(args: argparse.Namespace) -> list[Row]:
-    """Search every row in every mode, write ``maxlen.md``, ``maxlen.csv`` and ``maxlen_trials.csv``."""
+    """Search every row in every mode; after each, write ``maxlen.md``, ``maxlen.csv`` and ``maxlen_trials.csv``
+    anew, so that a run stopped at a time limit keeps the rows it finished."""
     sweep = args.sweep
-    rows = [sweep.search(attn, mode, _trial_progress) for attn in sweep.rows for mode in args.modes]
-    report = max_tokens_report(rows, sweep)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "maxlen.md").write_text(report)
-    write_csv(max_tokens_csv_rows(rows, sweep), args.out / "maxlen.csv")
-    write_csv(max_tokens_trial_rows(rows), args.out / "maxlen_trials.csv")
+    rows: list[Row] = []
+    for attn in sweep.rows:
+        for mode in args.modes:
+            rows.append(sweep.search(attn, mode, _trial_progress))
+            report = max_tokens_report(rows, sweep)
+            (args.out / "maxlen.md").write_text(report)
+            write_csv(max_tokens_csv_rows(rows, sweep), args.out / "maxlen.csv")
+            write_csv(max_tokens_trial_rows(rows), args.out / "maxlen_trials.csv")
     print(report, end="")
     print(f"wrote maxlen.md, maxlen.csv, maxlen_trials.csv in {args.out}", file=sys.stderr)
     return rows

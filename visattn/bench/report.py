@@ -409,8 +409,8 @@ def max_tokens_trial_rows(rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def max_tokens_report(rows: list[Row], sweep: MaxTokensSweep) -> str:
-    """The markdown table of a ``max-tokens`` run: per type and mode, the largest count that fitted, its
-    grid, its peak, and what stopped the search."""
+    """The markdown table of a ``max-tokens`` run: per type and mode searched so far, the largest count that
+    fitted, its grid, its peak, and what stopped the search."""
     a = sweep.args
     options = ", ".join(f"{key}={value}" for key, value in a.model_kwargs.items())
     what = f"token mixing alone, {a.heads} heads x {a.head_dim}" if a.ops else f"{a.model}" + (f" ({options})" if options else "")
@@ -429,10 +429,13 @@ def max_tokens_report(rows: list[Row], sweep: MaxTokensSweep) -> str:
         header += [f"{name}: max tokens", f"{name}: grid", f"{name}: peak MB", f"{name}: stopped by"]
     header.append("seed claim")
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for attn in sweep.rows:
+    for attn in [name for name in sweep.rows if any((name, mode) in by_key for mode in a.modes)]:
         cells = [f"`{attn}`"]
         for mode in a.modes:
-            row = by_key[attn, mode]
+            row = by_key.get((attn, mode))
+            if row is None:  # the run stopped before this mode's search
+                cells += ["not searched", "", "", ""]
+                continue
             largest = row.largest
             peak = "" if largest is None or largest.peak_bytes is None else f"{largest.peak_bytes / MB:,.0f}"
             grid = "" if largest is None else _grid_label(largest.grid, sweep.patch, a.ops)
