@@ -32,9 +32,9 @@ test-fast: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(VENV)/bin/visattn-bench
 
-# On a machine with an NVIDIA GPU: the cuda tests, the GPU benchmark rows, a short bf16 training run and
-# kernel profiles, into $(DEVICE_CHECK_OUT); STAGES="max_tokens compile_1024" adds the largest grid each type
-# trains at and compiled rows (see scripts/device_check.sh).
+# On a machine with an NVIDIA GPU: the cuda tests, the GPU benchmark rows and a short bf16 training run, into
+# $(DEVICE_CHECK_OUT); STAGES="profile_train_1024 profile_2048 profile_224 max_tokens compile_1024" runs the kernel
+# profiles, the largest grid each type trains at and compiled rows instead (see scripts/device_check.sh).
 DEVICE_CHECK_OUT ?= device_check_out
 device-check:
 	OUT=$(DEVICE_CHECK_OUT) PYTHON=$(PYTHON) bash scripts/device_check.sh

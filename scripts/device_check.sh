@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check: the cuda tests, the GPU benchmark rows (ViT-S/16, bf16), one short bf16 training run at
-# 4,096 tokens, kernel profiles, the largest grid each type trains at and compiled rows, each stage under its own
-# time limit so that one failure leaves the others' results.
+# The GPU check: the cuda tests, the GPU benchmark rows (ViT-S/16, bf16) and one short bf16 training run at
+# 4,096 tokens; when named, kernel profiles, the largest grid each type trains at and compiled rows. Each stage
+# runs under its own time limit, so that one failure leaves the others' results.
 # Usage: OUT=results_dir [ARCHIVE=file.tgz] [COMMIT=sha] bash scripts/device_check.sh   (from the repository
 # root, on a GPU machine). After every stage OUT/results.md (the dated results page, scripts/device_report.py)
 # is written anew, and ARCHIVE, if set (outside OUT), with all of OUT but the run's weights.
@@ -15,8 +15,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1  # a stage stopped at its limit keeps the log it printed
 PY=${PYTHON:-python3}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-# The check (about 7 minutes on an H200); max_tokens and compile_1024 (about 9 more) run when named.
-CHECK="cuda_tests infer_2048 infer_1024 train_1024 infer_224 train_2048 train_run profile_train_1024 profile_2048 profile_224"
+# The check: 440 s of stages on an H200 (docs/results/2026-11-27-h200-check.md). The kernel profiles (75 s there),
+# max_tokens (over 225 s) and compile_1024 run when named.
+CHECK="cuda_tests infer_2048 infer_1024 train_1024 infer_224 train_2048 train_run"
 STAGES=${STAGES:-$CHECK}  # or some of the stage names below, e.g. STAGES="cuda_tests infer_2048"
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from visattn.bench import cli
 from visattn.bench.cli import MAX_TOKENS, parse_memory
-from visattn.bench.search import MaxTokensSweep, search_largest, square_grid
+from visattn.bench.report import _largest_text, _stop_text
+from visattn.bench.search import MaxTokensSweep, Row, Search, search_largest, square_grid
 from visattn.bench.sweep import Case
-from visattn.bench.trial import run_trial
+from visattn.bench.trial import Trial, run_trial
 
 MiB, GiB = 2**20, 2**30
 
@@ -246,3 +247,19 @@ def test_a_stopped_search_keeps_the_rows_it_finished(tmp_path, monkeypatch):
     assert [(r["attn"], r["max_tokens"]) for r in rows] == [("timm", "100"), ("floor", "100")]
     assert {t["attn"] for t in _read_csv(tmp_path / "maxlen_trials.csv")} == {"timm", "floor"}
     assert "| `floor` | ≥ 100 |" in (tmp_path / "maxlen.md").read_text()
+
+
+def test_a_row_whose_bisection_hit_the_time_limit_reports_a_lower_bound():
+    # timm on an H200: 262,144 tokens fitted, 524,176 ran out of memory, 393,129 ran past the time limit; the
+    # memory limit lies somewhere above 262,144 and below 524,176, so the row reads "≥ 262,144, time limit".
+    case = Case(kind="op", attn="linear", mode="train", size=(1, 1), batch_size=1, device="cpu", dtype="fp32",
+                compile=False, num_heads=1, head_dim=8)
+    status = {262_144: "ok", 524_176: "oom", 393_129: "time"}
+    row = Row("timm", "train")
+    for tokens, verdict in status.items():
+        grid = square_grid(tokens)
+        row.trials[grid] = Trial(case, grid, status=verdict)
+    row.search = Search(262_144, 524_176, ((262_144, True), (524_176, False), (393_129, None)))
+    assert row.stopped_by == "time" and row.failing.tokens == 393_129
+    assert _largest_text(row) == "≥ 262,144"
+    assert _stop_text(row, (16, 16), ops=False) == "time limit at 393,129 tokens, 627×627 (10032×10032 px)"

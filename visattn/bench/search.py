@@ -126,11 +126,12 @@ class Row:
 
     @property
     def failing(self) -> Trial | None:
-        """The trial that bounds the answer from above: the smallest count that did not fit, else the one
-        that ran past the time limit; None where every count fitted."""
+        """The trial that ended the search: the one that ran past the time limit, the largest count then
+        being a lower bound (even where a larger count ran out of memory before it); else the smallest count
+        that did not fit; None where every count fitted."""
         if self.search is None:
             return None
-        if self.search.smallest_failing is None and self.search.undecided:
+        if self.search.undecided:
             return self.trial_of(self.search.trials[-1][0])
         return self.trial_of(self.search.smallest_failing)
 
