@@ -58,6 +58,31 @@ def test_transfer_then_fine_tune_writes_per_block_losses(runs):
                                           ("learned_map.query", "learned_map.key", "dwconv.weight", "dwconv.bias")}
 
 
+def test_test_every_epoch_records_the_test_split_at_every_evaluation(runs, tmp_path):
+    """softmax to softmax: the weights are the parent's, and a transfer whose every loss is exactly 0 leaves
+    them so; the test accuracy before any update and after the transfer is the parent's own."""
+    parent, _ = runs
+    run_dir = tmp_path / "softmax"
+    assert train.main([*TINY, "--attn", "softmax", "--initial-checkpoint", str(parent), "--transfer-epochs", "1",
+                       "--transfer-projections", "--test-every-epoch", "--epochs", "2", "--run-dir", str(run_dir)]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    parent_acc = json.loads((parent / "summary.json").read_text())["test_acc"]
+    assert summary["initial_test_acc"] == summary["transfer_test_acc"] == parent_acc
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(record["test_samples"], record["val_samples"]) for record in history] == [(50, 50), (50, 50)]
+    assert all(record["test_time_s"] > 0 for record in history)
+    assert history[summary["best_epoch"] - 1]["test_acc"] == summary["test_acc"]  # the same weights, tested twice
+    (transfer,) = [json.loads(line) for line in (run_dir / "transfer_metrics.jsonl").read_text().splitlines()]
+    assert transfer["train_images"] == 96  # 6 steps of 16
+
+
+def test_without_test_every_epoch_the_test_split_waits_for_the_end(runs):
+    _, run_dir = runs
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any(key.startswith("test_") for record in history for key in record)
+    assert not {"initial_test_acc", "transfer_test_acc"} & set(json.loads((run_dir / "summary.json").read_text()))
+
+
 def test_resume_from_mid_transfer_ends_where_the_whole_run_ends(runs, tmp_path):
     parent, whole = runs
     resumed = tmp_path / "resumed"

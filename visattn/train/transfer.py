@@ -28,7 +28,7 @@ from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.initial import InitialWeights, load_initial_weights
-from visattn.train.loop import POSTFIX_SECONDS, NonFiniteError, Training, evaluate
+from visattn.train.loop import POSTFIX_SECONDS, NonFiniteError, Training, evaluate, test_scores
 
 # The attention the parent runs: what timm's Attention computes, with visattn's grid hook.
 PARENT_ATTENTION = "softmax"
@@ -64,12 +64,16 @@ class TransferStage:
 
 def run_transfer(run: Training, stage: TransferStage) -> None:
     """The remaining transfer epochs, then the accuracy of the transferred model on the selection split
-    (``transfer_eval_acc`` in the trainer state, ``transfer_acc`` in the summary)."""
+    (``transfer_eval_acc`` in the trainer state, ``transfer_acc`` in the summary) and, with ``test_every_epoch``,
+    on the test split (``transfer_test_acc`` in both)."""
     for epoch in range(run.state["transfer_epoch"], run.config.transfer_epochs):
         train_seconds = transfer_epoch(run, stage, epoch)
         finish_transfer_epoch(run, stage, epoch, train_seconds)
     scores = evaluate(run.accelerator, run.model, run.selection_loader)
     run.state["transfer_eval_acc"] = scores["acc"]
+    if run.config.test_every_epoch:
+        test = test_scores(run.accelerator, run.model, run.selection_split, run.eval_loader, scores)
+        run.state["transfer_test_acc"] = test["acc"]
     run.accelerator.print(
         f"after attention transfer: {run.selection_split} loss {scores['loss']:.4f}, "
         f"{run.selection_split} acc {100 * scores['acc']:.2f}%"
@@ -140,8 +144,11 @@ def finish_transfer_epoch(run: Training, stage: TransferStage, epoch: int, train
     eval_time = time.perf_counter() - eval_started
     train = [total / count if count else float("nan")
              for total, count in zip(state["transfer_partial_sums"], state["transfer_partial_counts"])]
+    # the training loader drops its last partial batch: every step of every process takes a full one
+    images = len(run.train_loader) * run.config.batch_size * accelerator.num_processes
     record: dict[str, Any] = dict(transfer_epoch=epoch + 1, transfer_update=state["transfer_update"],
-                                  mode=stage.transfer.mode, lr=stage.optimizer.param_groups[0]["lr"])
+                                  mode=stage.transfer.mode, lr=stage.optimizer.param_groups[0]["lr"],
+                                  train_images=images)
     record |= {f"transfer_loss_block{index}": value for index, value in enumerate(train)}
     record |= {f"{split}_transfer_loss_block{index}": value for index, value in enumerate(held_out)}
     record |= dict(train_time_s=train_time, eval_time_s=eval_time)
