@@ -37,7 +37,7 @@ would: the table says so in its note.
 
 Types with nothing to learn: attention transfer trains the parameters a type adds to the parent's ``qkv``,
 ``proj`` and norms (a learned feature map, a locality convolution, decay rates); a type that adds none (axial,
-neighborhood, sparse, linear without both) is refused by it. Such a row's transfer trains those projections
+neighborhood, sparse, linear with none of those) is refused by it. Such a row's transfer trains those projections
 too (``--transfer-projections`` of train.py): the runner says so in a line at the start, and the table in the
 row's transfer stage and its note. ``--transfer-projections`` here does so for every row.
 

@@ -25,6 +25,10 @@ def epoch_stage(epoch: int) -> str:
     return f"epoch {epoch}"
 
 
+def epochs_words(count: int) -> str:
+    return f"{count} epoch{'s' if count != 1 else ''}"
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The JSON lines of a run's metrics file (none where there is no such file)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
@@ -86,8 +90,8 @@ def lineage_cost(run_dir: Path) -> tuple[int, float]:
 def recipe_words(run_dir: Path) -> str:
     """How a run and the runs it started from were trained: "4 epochs at 64×64 px, then 4 epochs at 128×128 px"."""
     configs = [make_config(read_yaml(run / CONFIG_FILE)) for run in lineage(run_dir)]
-    return ", then ".join(f"{config.epochs} epoch{'s' if config.epochs != 1 else ''} at "
-                          f"{config.image_hw[0]}×{config.image_hw[1]} px" for config in configs)
+    return ", then ".join(f"{epochs_words(config.epochs)} at {config.image_hw[0]}×{config.image_hw[1]} px"
+                          for config in configs)
 
 
 @dataclass
@@ -161,10 +165,9 @@ def row_lines(table: TransferTable, row: Row) -> list[Line]:
     mine = [run for run in table.transfer_runs if run.row == row]
     without = [run for run in table.no_transfer_runs if run.row.text == row.text]
     last = max(table.finetune_epochs)
-    plural = "s" if table.transfer_epochs != 1 else ""
     projections = " (qkv, proj and norms too)" if row.train_flags == PROJECTIONS else ""
     stages = [(CONVERTED, "converted, no training"),
-              (TRANSFER, f"attention transfer, {table.transfer_epochs} epoch{plural}{projections}"),
+              (TRANSFER, f"attention transfer, {epochs_words(table.transfer_epochs)}{projections}"),
               *((epoch_stage(k), f"transfer + fine-tune epoch {k} of {last}") for k in table.finetune_epochs)]
     lines = [summed(row.label, label, stage_points(mine, stage, table.finetune_epochs), table.parents, runs_cell(mine))
              for stage, label in stages]
@@ -225,7 +228,6 @@ def size_words(config: TrainConfig) -> str:
 
 def note(table: TransferTable, command: str) -> str:
     last = max(table.finetune_epochs)
-    transfer_epochs = f"{table.transfer_epochs} epoch{'s' if table.transfer_epochs != 1 else ''}"
     runs_config = expected_config(table.transfer_runs[0].argv)
     parent_config = next(iter(table.parents.values())).config
     where = f"at {size_words(runs_config)}"
@@ -235,11 +237,12 @@ def note(table: TransferTable, command: str) -> str:
     return " ".join([
         f"`{command}`: {runs_config.dataset} {where}; seeds {', '.join(map(str, table.parents))}.",
         f"Each run starts from its seed's parent's best weights, converted to the row's attention; with transfer, "
-        f"{transfer_epochs} of attention transfer, then in both arms {last} fine-tune epochs of the whole model "
-        "with the parent's recipe (and the flags after --), the test split evaluated after every epoch (train.py "
-        f"--test-every-epoch). Epoch k of {last} is epoch k of one {last}-epoch schedule, not a k-epoch fine-tune "
-        "of its own (whose learning rate would have decayed by then): every k is of the same run, and each run "
-        f"costs one transfer and {last} epochs.",
+        f"{epochs_words(table.transfer_epochs)} of attention transfer, then in both arms {epochs_words(last)} of "
+        "fine-tuning the whole model with the parent's recipe (and the flags after --), the test split evaluated "
+        "after every epoch (train.py --test-every-epoch).",
+        *([f"Epoch k of {last} is epoch k of one {last}-epoch schedule, not a k-epoch fine-tune of its own (whose "
+           "learning rate would have decayed by then): every k is of the same run, and each run costs one transfer "
+           f"and {epochs_words(last)}."] if len(table.finetune_epochs) > 1 else []),
         "Test accuracy after conversion, transfer and each epoch: of the model as it stands (not chosen on "
         "validation); of the parents and the runs from scratch: of the weights their runs reported (chosen on "
         "validation). vs its parent: each seed's accuracy minus its own parent's, in points (median [min–max]).",
