@@ -38,8 +38,8 @@ from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import DataError
 from visattn.train.initial import load_initial_weights, read_initial_weights
 from visattn.train.loop import (
-    NonFiniteError, Training, check_checkpoint_model, evaluate, finish_epoch, finish_run, new_trainer_state, train_epoch,
-    write_run_files,
+    NonFiniteError, Training, check_checkpoint_model, evaluate, finish_epoch, finish_run, new_trainer_state, test_scores,
+    train_epoch, write_run_files,
 )
 from visattn.train.overview import run_overview
 from visattn.train.transfer import TransferStage, build_parent, build_transfer_optimizer, run_transfer
@@ -110,13 +110,15 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
             f"{loader_speed.batches} batches of {config.batch_size} to {accelerator.device} (no model; the epochs "
             "print the steps' img/s)"
         )
-    initial_eval = None
+    initial_eval = initial_test = None
     if initial is not None:
         initial_eval = evaluate(accelerator, model, selection_loader)  # what the converted weights do before training
         accelerator.print(
             f"initial weights, before any update: eval loss {initial_eval['loss']:.4f}, "
             f"eval acc {100 * initial_eval['acc']:.2f}% ({selection_split} split)"
         )
+        if config.test_every_epoch:
+            initial_test = test_scores(accelerator, model, selection_split, eval_loader, initial_eval)
     scheduler = build_scheduler(config, optimizer, len(train_loader))
     mixup = build_mixup(config, splits.num_classes)
     set_seed(config.seed + accelerator.process_index)  # dropout, drop path and mixup differ per process
@@ -128,6 +130,8 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     )
     if initial_eval is not None:
         run.state["initial_eval_acc"] = initial_eval["acc"]
+    if initial_test is not None:
+        run.state["initial_test_acc"] = initial_test["acc"]
     if resume_from is not None:
         check_checkpoint_model(accelerator, model, run_dir, resume_from, model_kwargs)
         run.state = ckpt.load_checkpoint(accelerator, resume_from, saved_state)

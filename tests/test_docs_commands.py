@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from visattn.bench import cli as bench_cli
-from visattn.experiments import accuracy, resolution
+from visattn.experiments import accuracy, resolution, transfer
 from visattn.predict import cli as predict_cli
 from visattn.train.cli import resolve_config
 
@@ -58,6 +58,8 @@ def _parse(words: list[str]) -> None:
         accuracy.parse_args(words[3:])
     elif words[:3] == ["python", "-m", "visattn.experiments.resolution"]:
         resolution.parse_args(words[3:])
+    elif words[:3] == ["python", "-m", "visattn.experiments.transfer"]:
+        transfer.parse_args(words[3:])
     elif words[0] == "python" and words[1].startswith("scripts/"):
         assert (REPO / words[1]).is_file(), f"{words[1]} does not exist"
     else:

@@ -15,8 +15,11 @@ from safetensors.torch import load_file
 
 import train  # the script at the repository root, importable from there as pytest runs the tests
 from tests.helpers import TINY
-from visattn.predict import load_predictor, predict
+from visattn.predict import load_predictor, load_trained_model, predict
+from visattn.train.cli import resolve_config
 from visattn.train.config import ConfigError, make_config
+from visattn.train.initial import read_initial_weights
+from visattn.train.transfer import build_parent
 
 # 6 transfer updates and 6 fine-tune updates; a checkpoint every 2 updates, every one kept.
 TRANSFER = [
@@ -56,6 +59,45 @@ def test_transfer_then_fine_tune_writes_per_block_losses(runs):
     assert not torch.equal(weights["blocks.0.attn.learned_map.query"], identity)
     assert set(weights) - set(source) == {f"blocks.{i}.attn.{name}" for i in range(2) for name in
                                           ("learned_map.query", "learned_map.key", "dwconv.weight", "dwconv.bias")}
+
+
+def test_test_every_epoch_records_the_test_split_at_every_evaluation(runs, tmp_path):
+    """softmax to softmax: the weights are the parent's, and a transfer whose every loss is exactly 0 leaves
+    them so; the test accuracy before any update and after the transfer is the parent's own."""
+    parent, _ = runs
+    run_dir = tmp_path / "softmax"
+    assert train.main([*TINY, "--attn", "softmax", "--initial-checkpoint", str(parent), "--transfer-epochs", "1",
+                       "--transfer-projections", "--test-every-epoch", "--epochs", "2", "--run-dir", str(run_dir)]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    parent_acc = json.loads((parent / "summary.json").read_text())["test_acc"]
+    assert summary["initial_test_acc"] == summary["transfer_test_acc"] == parent_acc
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(record["test_samples"], record["val_samples"]) for record in history] == [(50, 50), (50, 50)]
+    assert all(record["test_time_s"] > 0 for record in history)
+    assert history[summary["best_epoch"] - 1]["test_acc"] == summary["test_acc"]  # the same weights, tested twice
+    (transfer,) = [json.loads(line) for line in (run_dir / "transfer_metrics.jsonl").read_text().splitlines()]
+    assert transfer["train_images"] == 96  # 6 steps of 16
+
+
+def test_without_test_every_epoch_the_test_split_waits_for_the_end(runs):
+    _, run_dir = runs
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any(key.startswith("test_") for record in history for key in record)
+    assert not {"initial_test_acc", "transfer_test_acc"} & set(json.loads((run_dir / "summary.json").read_text()))
+
+
+def test_the_parent_computes_what_its_run_trained_rope_included(tmp_path):
+    """The parent is the softmax run's model, with the options that run recorded, whatever the converted
+    model's."""
+    parent_dir = tmp_path / "softmax-rope"
+    assert train.main([*TINY, "--attn", "softmax", "--attn-kwargs", "rope=axial", "--run-dir", str(parent_dir)]) == 0
+    config = resolve_config([*TINY, "--attn", "linear", "--attn-kwargs", "feature_map=learned",
+                             "--initial-checkpoint", str(parent_dir), "--transfer-epochs", "1"])[0]
+    assert "rope" not in config.attn_kwargs
+    parent = build_parent(config, 10, read_initial_weights(config), torch.device("cpu"))
+    assert all(block.attn.rope is not None for block in parent.blocks)
+    images = torch.randn(2, 3, 16, 16)
+    assert torch.equal(parent(images), load_trained_model(parent_dir).eval()(images))
 
 
 def test_resume_from_mid_transfer_ends_where_the_whole_run_ends(runs, tmp_path):

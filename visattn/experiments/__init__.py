@@ -11,6 +11,10 @@
     larger_size.py  a model trained at one size tested at a larger one: upsampled, whole, tiled, best tile
     report.py       the tables as markdown, CSV and JSON; the summary over variants
     plot.py         the accuracy table's figure
+    transfer_table.py  the attention-transfer table: each run's stages with the training they took, the parents'
+                    and the runs from scratch, summed up over the seeds; markdown, JSON and CSV
     accuracy.py     ``python -m visattn.experiments.accuracy``: train a grid and tabulate it
     resolution.py   ``python -m visattn.experiments.resolution``: test a table's first stages at a larger size
+    transfer.py     ``python -m visattn.experiments.transfer``: a softmax parent converted to each type, with and
+                    without attention transfer, fine-tuned and tabulated stage by stage
 """

@@ -67,13 +67,13 @@ import sys
 from pathlib import Path
 
 import visattn
-from visattn.experiments.execute import choose_action, duration, eta_seconds, execute
+from visattn.experiments.execute import run_grid
 from visattn.experiments.plan import (
-    REPO, TABLE_FLAGS, Grid, Row, Run, all_runs, expected_config, flag_names, parse_rows, plan, run_name, stage_words,
+    REPO, TABLE_FLAGS, Grid, Row, Run, expected_config, flag_names, parse_rows, plan, stage_words,
     train_flags_problem,
 )
 from visattn.experiments.report import command_line, variant_output, write_accuracy, write_variants
-from visattn.experiments.summarise import read_run, summarize_rows
+from visattn.experiments.summarise import summarize_rows
 from visattn.experiments.variants import Variant, parse_variants
 from visattn.models import TIMM_ATTENTION
 from visattn.train import ConfigError
@@ -179,36 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     command = command_line("visattn.experiments.accuracy", sys.argv[1:] if argv is None else argv)
-    every_run = all_runs(runs)
-    for run in every_run:
-        run.action, why = choose_action(run, args.retrain)
-        if run.previous is not None and run.previous.action != "reuse" and run.action != "train":
-            run.action, why = "train", "the stage it starts from is trained in this invocation"
-        if run.action == "reuse":
-            read_run(run)
-        elif run.action == "train" and why != "new":
-            print(f"{run_name(run)}: trained afresh: {why}", flush=True)
-    todo = [run for run in every_run if run.action != "reuse"]
-    print(f"{len(every_run)} runs: {len(every_run) - len(todo)} finished before, {len(todo)} to train "
-          f"({sum(run.action == 'resume' for run in todo)} resumed)", flush=True)
     output = Path(args.output)
-    for number, run in enumerate(todo, start=1):
-        if run.cause is not run:
-            run.status = run.cause.status
-            outcome = "ran out of memory" if run.cause.status == "out of memory" else run.cause.status
-            print(f"[{number}/{len(todo)}] {run_name(run)}: not started, its stage {run.cause.stage} {outcome}", flush=True)
-            write_tables(output, args.rows, args.variants, runs, command)
-            continue
-        eta = eta_seconds(every_run)
-        remaining = f"; all {len(todo) - number + 1} left: about {duration(eta)}" if eta is not None else ""
-        verb = "resumed" if run.action == "resume" else "started"
-        print(f"[{number}/{len(todo)}] {run_name(run)}: {verb}{remaining}", flush=True)
-        execute(run)
-        outcome = f"{100 * run.summary['test_acc']:.2f}%" if run.status == "finished" else f"{run.status}, see {run.log}"
-        eta = eta_seconds(every_run)
-        left = f"; {len(todo) - number} left: about {duration(eta)}" if number < len(todo) and eta is not None else ""
-        print(f"[{number}/{len(todo)}] {run_name(run)}: {outcome} in {duration(run.seconds)}{left}", flush=True)
-        write_tables(output, args.rows, args.variants, runs, command)  # a table so far, should it stop
+    run_grid(runs, args.retrain, lambda: write_tables(output, args.rows, args.variants, runs, command))
     print(write_tables(output, args.rows, args.variants, runs, command))
     return 0 if all(run.status == "finished" for run in runs) else 1
 

@@ -1,5 +1,5 @@
-"""Each run of a grid reused, resumed or trained afresh, in its own ``train.py`` process; the time the runs
-left should take."""
+"""Each run of a grid reused, resumed or trained afresh, in its own ``train.py`` process, one after the other
+with a line each; the time the runs left should take."""
 from __future__ import annotations
 
 import re
@@ -7,9 +7,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from visattn.experiments.plan import REPO, Run, expected_config
+from visattn.experiments.plan import REPO, Row, Run, all_runs, expected_config, run_name
 from visattn.experiments.summarise import read_run
 from visattn.train import CONFIG_FILE, SUMMARY_FILE, ConfigError, TrainConfig, list_checkpoints, make_config, read_yaml
 
@@ -89,6 +90,42 @@ def execute(run: Run) -> None:
         run.status = failure(result.returncode, run.log.read_text(errors="replace"))
 
 
+def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object]) -> None:
+    """Reuse, resume or train every run of ``runs`` and its earlier stages (:func:`choose_action`; a stage
+    whose previous one trains in this invocation trains afresh too), one after the other, with a line each
+    as it starts and ends and the time the runs left should take; ``write_tables()`` after each, so that the
+    tables so far stand should the invocation stop."""
+    every_run = all_runs(runs)
+    for run in every_run:
+        run.action, why = choose_action(run, retrain)
+        if run.previous is not None and run.previous.action != "reuse" and run.action != "train":
+            run.action, why = "train", "the stage it starts from is trained in this invocation"
+        if run.action == "reuse":
+            read_run(run)
+        elif run.action == "train" and why != "new":
+            print(f"{run_name(run)}: trained afresh: {why}", flush=True)
+    todo = [run for run in every_run if run.action != "reuse"]
+    print(f"{len(every_run)} runs: {len(every_run) - len(todo)} finished before, {len(todo)} to train "
+          f"({sum(run.action == 'resume' for run in todo)} resumed)", flush=True)
+    for number, run in enumerate(todo, start=1):
+        if run.cause is not run:
+            run.status = run.cause.status
+            outcome = "ran out of memory" if run.cause.status == "out of memory" else run.cause.status
+            print(f"[{number}/{len(todo)}] {run_name(run)}: not started, its stage {run.cause.stage} {outcome}", flush=True)
+            write_tables()
+            continue
+        eta = eta_seconds(every_run)
+        remaining = f"; all {len(todo) - number + 1} left: about {duration(eta)}" if eta is not None else ""
+        verb = "resumed" if run.action == "resume" else "started"
+        print(f"[{number}/{len(todo)}] {run_name(run)}: {verb}{remaining}", flush=True)
+        execute(run)
+        outcome = f"{100 * run.summary['test_acc']:.2f}%" if run.status == "finished" else f"{run.status}, see {run.log}"
+        eta = eta_seconds(every_run)
+        left = f"; {len(todo) - number} left: about {duration(eta)}" if number < len(todo) and eta is not None else ""
+        print(f"[{number}/{len(todo)}] {run_name(run)}: {outcome} in {duration(run.seconds)}{left}", flush=True)
+        write_tables()
+
+
 def eta_seconds(runs: list[Run]) -> float | None:
     """Time the runs still to train should take: each at its row's mean time (of the same stage and variant of
     the data) in this invocation so far, or else the mean over all rows of its stage, or else over all runs
@@ -96,10 +133,10 @@ def eta_seconds(runs: list[Run]) -> float | None:
     timed = [run for run in runs if run.seconds is not None]
     if not timed:
         return None
-    per_row: dict[tuple[str | None, str, int | None], list[float]] = {}
+    per_row: dict[tuple[str | None, Row, int | None], list[float]] = {}
     per_stage: dict[int | None, list[float]] = {}
     for run in timed:
-        per_row.setdefault((run.variant, run.row.text, run.stage), []).append(run.seconds)
+        per_row.setdefault((run.variant, run.row, run.stage), []).append(run.seconds)
         per_stage.setdefault(run.stage, []).append(run.seconds)
     overall = [run.seconds for run in timed]
     pending = [
@@ -108,7 +145,7 @@ def eta_seconds(runs: list[Run]) -> float | None:
         and run.cause is run  # else it will not start
     ]
     return sum(
-        statistics.fmean(per_row.get((run.variant, run.row.text, run.stage)) or per_stage.get(run.stage) or overall)
+        statistics.fmean(per_row.get((run.variant, run.row, run.stage)) or per_stage.get(run.stage) or overall)
         for run in pending
     )
 

@@ -32,6 +32,7 @@ class Row:
     text: str  # as given: "linear" or "linear:dwconv_kernel=null"
     attn: str
     options: dict[str, Any] = field(default_factory=dict, hash=False)
+    train_flags: tuple[str, ...] = ()  # train.py flags of this row alone, after the table's (a transfer table's)
 
     @property
     def label(self) -> str:
@@ -172,7 +173,7 @@ def train_argv(grid: Grid, row: Row, seed: int, run_dir: Path, stage: list[str],
                variant: Variant | None = None) -> list[str]:
     """train.py's arguments for ``row`` and ``seed``: the recipe, the arguments after --, the stage's own
     (its ``--stage`` flags and starting weights, or the last stage's ``--epochs``), the variant's dataset options
-    laid over the recipe's, then the table's. ConfigError for a variant of another dataset than the recipe's."""
+    laid over the recipe's, then the table's (the row's own flags among them). ConfigError for a variant of another dataset than the recipe's."""
     argv = ["--config", grid.config, *grid.train_args, *stage]
     if variant is not None:
         recipe = resolve_config(argv)[0]
@@ -184,7 +185,7 @@ def train_argv(grid: Grid, row: Row, seed: int, run_dir: Path, stage: list[str],
     if row.options:
         recipe = resolve_config(argv)[0]  # the row's options over the recipe's, as one mapping
         argv += ["--attn-kwargs", json.dumps({**recipe.attn_kwargs, **row.options})]
-    return argv + ["--seed", str(seed), "--run-dir", str(run_dir)]
+    return argv + [*row.train_flags, "--seed", str(seed), "--run-dir", str(run_dir)]
 
 
 def expected_config(argv: list[str]) -> TrainConfig:
@@ -234,4 +235,5 @@ def all_runs(runs: list[Run]) -> list[Run]:
 
 def run_name(run: Run) -> str:
     variant = "" if run.variant is None else f"{run.variant}: "
-    return f"{variant}{run.row.text} seed {run.seed}{'' if run.last else f' (stage {run.stage})'}"
+    flags = f" ({shlex.join(run.row.train_flags)})" if run.row.train_flags else ""
+    return f"{variant}{run.row.text}{flags} seed {run.seed}{'' if run.last else f' (stage {run.stage})'}"

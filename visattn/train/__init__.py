@@ -22,13 +22,14 @@ from visattn.train.cli import build_parser, resolve_config
 from visattn.train.config import ConfigError, TrainConfig, make_config, read_yaml
 from visattn.train.data import eval_data_config, load_splits, without_images
 from visattn.train.datasets import DataError
-from visattn.train.run_log import METRICS_FILE, SUMMARY_FILE
+from visattn.train.run_log import METRICS_FILE, SUMMARY_FILE, TRANSFER_METRICS_FILE
 from visattn.train.rundir import CONFIG_FILE, list_checkpoints
 
 __all__ = [
     "CONFIG_FILE",
     "METRICS_FILE",
     "SUMMARY_FILE",
+    "TRANSFER_METRICS_FILE",
     "ConfigError",
     "DataError",
     "TrainConfig",

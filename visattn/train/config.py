@@ -193,6 +193,13 @@ class TrainConfig:
         metadata=_help("recompute each block's activations in backward instead of storing them (timm's "
                        "set_grad_checkpointing): less memory for about one more forward per step; same loss and gradients"),
     )
+    test_every_epoch: bool = field(
+        default=False,
+        metadata=_help("also evaluate the test split after every epoch (test_acc in metrics.jsonl) and, in a run from "
+                       "initial weights, before any update and after attention transfer (initial_test_acc, "
+                       "transfer_test_acc in summary.json): learning curves on test, for tables; the reported weights "
+                       "are still chosen on validation"),
+    )
     run_dir: str | None = field(default=None, metadata=_help("where the run is written (none: runs/<dataset>-<attn>)"))
     save_every: int = field(
         default=0, metadata=_help("also checkpoint every this many optimizer updates (0: at epoch ends only)")

@@ -164,6 +164,13 @@ def evaluate(accelerator: Accelerator, model: nn.Module, loader: DataLoader) -> 
     return dict(loss=loss_sum.item() / count, acc=correct.item() / count, samples=count)
 
 
+def test_scores(accelerator: Accelerator, model: nn.Module, selection_split: str, eval_loader: DataLoader,
+                selection_scores: dict[str, float]) -> dict[str, float]:
+    """The test split's scores of ``model`` as it stands, given its ``selection_scores``: those where the test
+    split is the one evaluated every epoch, else an evaluation of the test split."""
+    return selection_scores if selection_split == "test" else evaluate(accelerator, model, eval_loader)
+
+
 @dataclass
 class Training:
     """The prepared pieces of a run, and ``state``: where it stands (saved as JSON in every checkpoint).
@@ -282,6 +289,10 @@ def finish_epoch(run: Training, epoch: int, loss_sum: float, images: int, train_
         images_per_s=images / train_time if images else 0.0, eval_time_s=eval_time, peak_mem_mib=peak_mib,
         mem_kind=mem_kind,
     )
+    if run.config.test_every_epoch and split != "test":
+        test_started = time.perf_counter()
+        record |= {f"test_{key}": value for key, value in evaluate(accelerator, run.model, run.eval_loader).items()}
+        record["test_time_s"] = time.perf_counter() - test_started
     state["history"].append(record)
     accelerator.print(
         f"epoch {epoch + 1}: train loss {record['train_loss']:.4f}, {split} loss {scores['loss']:.4f}, "
@@ -338,6 +349,9 @@ def finish_run(run: Training, already_finished: bool, seconds: float) -> dict[st
             summary["initial_acc"] = run.state["initial_eval_acc"]
         if "transfer_eval_acc" in run.state:
             summary["transfer_acc"] = run.state["transfer_eval_acc"]
+        for key in ("initial_test_acc", "transfer_test_acc"):  # test_every_epoch
+            if key in run.state:
+                summary[key] = run.state[key]
         if accelerator.is_main_process:  # the summary last: a resume takes a run that has one as finished
             run_log.plot_metrics(run_dir, run.state["history"])
             run_log.write_summary(run_dir, summary)

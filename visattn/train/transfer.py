@@ -1,7 +1,8 @@
 """The attention-transfer stage of a run (``--transfer-epochs``), before the fine-tune epochs.
 
 The run's model is the converted one, loaded with the initial weights; its parent is the same model with
-softmax attention, loaded with the same weights (:func:`build_parent`). Each transfer step trains the
+softmax attention, loaded with the same weights and, where they are a visattn softmax run's, with the attention
+options that run was trained with, its rope among them (:func:`build_parent`). Each transfer step trains the
 converted attention layers to reproduce the parent's attention outputs on the step's training images
 (:class:`visattn.models.AttentionTransfer`), with an optimizer of its own over those layers' parameters
 (AdamW, constant learning rate, no weight decay), prepared by accelerate like the fine-tune's so that both
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,11 +26,13 @@ from tqdm.auto import tqdm
 
 from visattn.models import AttentionTransfer, create_model
 from visattn.models.linearize import check_something_to_learn, trainable_attention_parameters
+from visattn.predict import read_model_file
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.initial import InitialWeights, load_initial_weights
-from visattn.train.loop import POSTFIX_SECONDS, NonFiniteError, Training, evaluate
+from visattn.train.loop import POSTFIX_SECONDS, NonFiniteError, Training, evaluate, test_scores
+from visattn.train.rundir import is_run_dir
 
 # The attention the parent runs: what timm's Attention computes, with visattn's grid hook.
 PARENT_ATTENTION = "softmax"
@@ -44,9 +48,24 @@ def build_transfer_optimizer(config: TrainConfig, model: nn.Module) -> torch.opt
     return torch.optim.AdamW(params, lr=config.transfer_lr, weight_decay=0.0)
 
 
+def parent_attention_options(config: TrainConfig) -> dict[str, Any]:
+    """The options of the parent's softmax attention: those a visattn softmax run recorded in its model.json
+    (its rope, ...) where the initial weights are that run's, else none (a weights file records none)."""
+    start = config.initial_checkpoint
+    if start is None or not is_run_dir(Path(start)):
+        return {}
+    try:
+        recorded = read_model_file(start)["kwargs"]
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"initial_checkpoint: {error}") from None
+    return dict(recorded.get("attn_kwargs") or {}) if recorded.get("attn") == PARENT_ATTENTION else {}
+
+
 def build_parent(config: TrainConfig, num_classes: int, initial: InitialWeights, device: torch.device) -> nn.Module:
-    """The run's model with softmax attention and the initial weights, frozen, in eval mode, on ``device``."""
-    kwargs = config.model_kwargs_for_timm(num_classes) | {"attn": PARENT_ATTENTION, "attn_kwargs": {}}
+    """The run's model with softmax attention, the options its weights were trained with
+    (:func:`parent_attention_options`) and the initial weights, frozen, in eval mode, on ``device``."""
+    kwargs = config.model_kwargs_for_timm(num_classes) | {"attn": PARENT_ATTENTION,
+                                                          "attn_kwargs": parent_attention_options(config)}
     kwargs.pop("auto_batch_size", None)
     parent = create_model(config.model, **kwargs)
     load_initial_weights(parent, initial)
@@ -64,12 +83,16 @@ class TransferStage:
 
 def run_transfer(run: Training, stage: TransferStage) -> None:
     """The remaining transfer epochs, then the accuracy of the transferred model on the selection split
-    (``transfer_eval_acc`` in the trainer state, ``transfer_acc`` in the summary)."""
+    (``transfer_eval_acc`` in the trainer state, ``transfer_acc`` in the summary) and, with ``test_every_epoch``,
+    on the test split (``transfer_test_acc`` in both)."""
     for epoch in range(run.state["transfer_epoch"], run.config.transfer_epochs):
         train_seconds = transfer_epoch(run, stage, epoch)
         finish_transfer_epoch(run, stage, epoch, train_seconds)
     scores = evaluate(run.accelerator, run.model, run.selection_loader)
     run.state["transfer_eval_acc"] = scores["acc"]
+    if run.config.test_every_epoch:
+        test = test_scores(run.accelerator, run.model, run.selection_split, run.eval_loader, scores)
+        run.state["transfer_test_acc"] = test["acc"]
     run.accelerator.print(
         f"after attention transfer: {run.selection_split} loss {scores['loss']:.4f}, "
         f"{run.selection_split} acc {100 * scores['acc']:.2f}%"
@@ -140,8 +163,11 @@ def finish_transfer_epoch(run: Training, stage: TransferStage, epoch: int, train
     eval_time = time.perf_counter() - eval_started
     train = [total / count if count else float("nan")
              for total, count in zip(state["transfer_partial_sums"], state["transfer_partial_counts"])]
+    # the training loader drops its last partial batch: every step of every process takes a full one
+    images = len(run.train_loader) * run.config.batch_size * accelerator.num_processes
     record: dict[str, Any] = dict(transfer_epoch=epoch + 1, transfer_update=state["transfer_update"],
-                                  mode=stage.transfer.mode, lr=stage.optimizer.param_groups[0]["lr"])
+                                  mode=stage.transfer.mode, lr=stage.optimizer.param_groups[0]["lr"],
+                                  train_images=images)
     record |= {f"transfer_loss_block{index}": value for index, value in enumerate(train)}
     record |= {f"{split}_transfer_loss_block{index}": value for index, value in enumerate(held_out)}
     record |= dict(train_time_s=train_time, eval_time_s=eval_time)
