@@ -6,8 +6,7 @@
 # root, on a GPU machine). After every stage OUT/results.md (the dated results page, scripts/device_report.py)
 # is written anew, and ARCHIVE, if set (outside OUT), with all of OUT but the run's weights.
 # Stage limits (seconds) are CUDA_TESTS_LIMIT, INFER_LIMIT, TRAIN_LIMIT, TRAIN_2048_LIMIT, RUN_LIMIT, PROFILE_LIMIT,
-# MAX_TOKENS_LIMIT, COMPILE_LIMIT; STAGES (below) chooses them. The training run's images are drawn in the
-# background on half the CPUs from the start, so that the stages before it hide the drawing.
+# MAX_TOKENS_LIMIT, COMPILE_LIMIT; STAGES (below) chooses them.
 set -uo pipefail
 OUT=${OUT:-device_check_out}
 mkdir -p "$OUT"
@@ -15,7 +14,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1  # a stage stopped at its limit keeps the log it printed
 PY=${PYTHON:-python3}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-# The check: 440 s of stages on an H200 (docs/results/2026-11-27-h200-check.md). The kernel profiles (75 s there),
+# The check: about 460 s of stages on an H200 (the stage times of docs/results/2026-11-27-h200-check.md, with the
+# training run's 117 s of 2026-11-27-h200-benchmark.md, which drew its own images). The kernel profiles (75 s there),
 # max_tokens (over 225 s) and compile_1024 run when named.
 CHECK="cuda_tests infer_2048 infer_1024 train_1024 infer_224 train_2048 train_run"
 STAGES=${STAGES:-$CHECK}  # or some of the stage names below, e.g. STAGES="cuda_tests infer_2048"
@@ -37,14 +37,6 @@ stage() {  # stage NAME SECONDS COMMAND...
   $PY -c "import sys, torch, timm, accelerate; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'timm', timm.__version__, 'accelerate', accelerate.__version__)"
 } >"$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
-# The training run's splits, drawn and cached (under ./data, as train.py reads them) while the GPU stages run.
-RUN_DATA="train_size=2560 val_size=320 test_size=320"
-if [[ " $STAGES " == *" train_run "* ]]; then
-  taskset -c "$(( $(nproc) / 2 ))-$(( $(nproc) - 1 ))" $PY -c "import sys; from visattn.train.generated import load_generated
-load_generated('cluttered-digits', {k: int(v) for k, v in (kv.split('=') for kv in sys.argv[1:])}, (1024, 1024), 'data')" $RUN_DATA \
-    >"$OUT/predraw.log" 2>&1 &
-  PREDRAW=$!
-fi
 BENCH="$PY -m visattn.bench --device cuda --dtype bf16 --warmup 2 --min-iters 5 --min-seconds 0.25 --max-seconds 5"
 ATTN="--attn linear axial neighborhood sparse longformer linformer"  # beside timm (flash SDPA) and floor
 # Most important first: a stage past its limit loses only itself (the benchmark writes the rows it measured).
@@ -54,11 +46,10 @@ stage infer_1024 "${INFER_LIMIT:-75}" $BENCH --modes infer --sizes 1024 --batch-
 stage train_1024 "${TRAIN_LIMIT:-60}" $BENCH --modes train --sizes 1024 --batch-size 8 --attn linear axial neighborhood --out "$OUT/train_1024"
 stage infer_224 "${INFER_LIMIT:-75}" $BENCH --modes infer --sizes 224 --batch-size 128 $ATTN --out "$OUT/infer_224"
 stage train_2048 "${TRAIN_2048_LIMIT:-45}" $BENCH --modes train --sizes 2048 --batch-size 2 --attn linear --out "$OUT/train_2048"
-# The README's bf16 run at 1024 px (4,096 tokens), one short epoch, once its images are drawn.
-[ -z "${PREDRAW:-}" ] || wait "$PREDRAW"
+# The README's bf16 run at 1024 px (4,096 tokens), one short epoch.
 stage train_run "${RUN_LIMIT:-150}" $PY -m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision bf16 \
   --dynamo_backend no train.py --dataset cluttered-digits --img-size 1024 --model vit_small_patch16_224 --attn linear \
-  --batch-size 32 --epochs 1 --warmup-epochs 0 --dataset-kwargs $RUN_DATA \
+  --batch-size 32 --epochs 1 --warmup-epochs 0 --dataset-kwargs train_size=2560 val_size=320 test_size=320 \
   --num-workers 14 --measure-loader 8 --run-dir "$OUT/run_linear_4096" --overwrite
 # Where a training step's time goes, beside floor's (the training targets).
 stage profile_train_1024 "${PROFILE_LIMIT:-40}" $PY scripts/profile_block.py --device cuda --dtype bf16 --size 1024 --batch-size 8 \

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from visattn.bench import cli
 from visattn.bench.cli import MAX_TOKENS, parse_memory
-from visattn.bench.report import _largest_text, _stop_text
-from visattn.bench.search import MaxTokensSweep, Row, Search, search_largest, square_grid
+from visattn.bench.report import max_tokens_csv_rows, max_tokens_report
+from visattn.bench.search import Row, Search, search_largest, square_grid
 from visattn.bench.sweep import Case
 from visattn.bench.trial import Trial, run_trial
 
@@ -227,39 +227,53 @@ def test_argument_errors_are_one_line(capsys, argv, message):
     assert len(error_lines) == 1 and message in error_lines[0], error_lines
 
 
-def test_a_stopped_search_keeps_the_rows_it_finished(tmp_path, monkeypatch):
-    # A time limit ends the command in the middle of a row (SIGTERM unwinds as SystemExit): the rows before it
-    # are in the files already.
-    search = MaxTokensSweep.search
+ARGS = ["--num-classes", "10", "--modes", "train", "--model-kwargs", "embed_dim=16", "depth=1", "num_heads=2",
+        "patch_size=4", "--max-memory", "1GiB", "--device", "cpu"]
 
-    def stop_at_linear(self, attn, mode, report):
-        if attn == "linear":
-            raise SystemExit(143)
-        return search(self, attn, mode, report)
 
-    monkeypatch.setattr(MaxTokensSweep, "search", stop_at_linear)
+def test_a_stopped_search_keeps_what_it_measured_and_says_where_it_stopped(tmp_path, monkeypatch):
+    # A time limit ends the command during linear's second trial (SIGTERM unwinds as SystemExit): the files
+    # hold timm's and floor's rows, linear's first trial and a row marked stopped, and axial as not searched.
+    from visattn.bench import search as search_module
+
+    real_trial, linear_trials = search_module.run_trial, []
+
+    def stop_in_linear(case, *rest):
+        if case.attn == "linear":
+            linear_trials.append(case)
+            if len(linear_trials) == 2:
+                raise SystemExit(143)
+        return real_trial(case, *rest)
+
+    monkeypatch.setattr(search_module, "run_trial", stop_in_linear)
     with pytest.raises(SystemExit):
-        cli.main([MAX_TOKENS, "--attn", "linear", "--references", "timm", "floor", "--num-classes", "10",
-                  "--modes", "train", "--model-kwargs", "embed_dim=16", "depth=1", "num_heads=2", "patch_size=4",
-                  "--max-memory", "1GiB", "--min-tokens", "64", "--max-tokens", "100", "--device", "cpu",
-                  "--out", str(tmp_path)])
-    rows = _read_csv(tmp_path / "maxlen.csv")
-    assert [(r["attn"], r["max_tokens"]) for r in rows] == [("timm", "100"), ("floor", "100")]
-    assert {t["attn"] for t in _read_csv(tmp_path / "maxlen_trials.csv")} == {"timm", "floor"}
-    assert "| `floor` | ≥ 100 |" in (tmp_path / "maxlen.md").read_text()
+        cli.main([MAX_TOKENS, "--attn", "linear", "axial", "--references", "timm", "floor", *ARGS,
+                  "--min-tokens", "64", "--max-tokens", "100", "--out", str(tmp_path)])
+    rows = {r["attn"]: r for r in _read_csv(tmp_path / "maxlen.csv")}
+    assert list(rows) == ["timm", "floor", "linear"]
+    assert rows["timm"]["max_tokens"] == rows["floor"]["max_tokens"] == "100"
+    assert (rows["linear"]["max_tokens"], rows["linear"]["stopped_by"]) == ("64", "stopped")
+    trials = [(t["attn"], t["tokens"]) for t in _read_csv(tmp_path / "maxlen_trials.csv")]
+    assert trials == [("timm", "64"), ("timm", "100"), ("floor", "64"), ("floor", "100"), ("linear", "64")]
+    table = (tmp_path / "maxlen.md").read_text()
+    assert "| `linear` | ≥ 64 | 8×8 (32×32 px) |" in table and "stopped during its search, after 1 trial(s)" in table
+    assert "| `axial` | not searched |" in table
 
 
-def test_a_row_whose_bisection_hit_the_time_limit_reports_a_lower_bound():
-    # timm on an H200: 262,144 tokens fitted, 524,176 ran out of memory, 393,129 ran past the time limit; the
-    # memory limit lies somewhere above 262,144 and below 524,176, so the row reads "≥ 262,144, time limit".
-    case = Case(kind="op", attn="linear", mode="train", size=(1, 1), batch_size=1, device="cpu", dtype="fp32",
-                compile=False, num_heads=1, head_dim=8)
+def test_a_row_whose_bisection_hit_the_time_limit_reports_both_bounds():
+    # timm on an H200: 262,144 tokens fitted, 524,176 ran out of memory, then 393,129 ran past the time limit:
+    # the memory limit lies between 262,144 and 524,176, and the row says both.
+    args = cli.parse_max_tokens_args(["--attn", "linear", "--references", "timm", *ARGS])
     status = {262_144: "ok", 524_176: "oom", 393_129: "time"}
     row = Row("timm", "train")
     for tokens, verdict in status.items():
         grid = square_grid(tokens)
-        row.trials[grid] = Trial(case, grid, status=verdict)
+        row.trials[grid] = Trial(args.sweep.case("timm", "train", grid), grid, status=verdict, message=verdict)
     row.search = Search(262_144, 524_176, ((262_144, True), (524_176, False), (393_129, None)))
-    assert row.stopped_by == "time" and row.failing.tokens == 393_129
-    assert _largest_text(row) == "≥ 262,144"
-    assert _stop_text(row, (16, 16), ops=False) == "time limit at 393,129 tokens, 627×627 (10032×10032 px)"
+    record = max_tokens_csv_rows([row], args.sweep)[0]
+    assert (record["max_tokens"], record["failed_tokens"], record["timed_out_tokens"]) == (262_144, 524_176, 393_129)
+    assert record["stopped_by"] == "time" and record["message"] == "time; oom"
+    table = max_tokens_report([row], args.sweep)
+    assert ("| `timm` | ≥ 262,144 | 512×512 (2048×2048 px) |  | time limit at 393,129 tokens, 627×627 (2508×2508 px); "
+            "out of memory at 524,176 tokens, 724×724 (2896×2896 px) |") in table
+    assert "| `linear` | not searched |" in table

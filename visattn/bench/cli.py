@@ -378,18 +378,31 @@ def _trial_progress(row: Row, trial: Trial) -> None:
 
 
 def run_max_tokens(args: argparse.Namespace) -> list[Row]:
-    """Search every row in every mode; after each, write ``maxlen.md``, ``maxlen.csv`` and ``maxlen_trials.csv``
-    anew, so that a run stopped at a time limit keeps the rows it finished."""
+    """Search every row in every mode, writing ``maxlen.md``, ``maxlen.csv`` and ``maxlen_trials.csv`` anew after
+    every trial, so that a command stopped at a time limit keeps what it measured and says where it stopped."""
     sweep = args.sweep
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
+
+    def write(row: Row | None = None, trial: Trial | None = None) -> str:
+        if trial is not None:
+            _trial_progress(row, trial)
+        report = max_tokens_report(rows, sweep)
+        (args.out / "maxlen.md").write_text(report)
+        write_csv(max_tokens_csv_rows(rows, sweep), args.out / "maxlen.csv")
+        write_csv(max_tokens_trial_rows(rows), args.out / "maxlen_trials.csv")
+        return report
+
     for attn in sweep.rows:
         for mode in args.modes:
-            rows.append(sweep.search(attn, mode, _trial_progress))
-            report = max_tokens_report(rows, sweep)
-            (args.out / "maxlen.md").write_text(report)
-            write_csv(max_tokens_csv_rows(rows, sweep), args.out / "maxlen.csv")
-            write_csv(max_tokens_trial_rows(rows), args.out / "maxlen_trials.csv")
+            rows.append(row := Row(attn, mode))
+            try:
+                sweep.search(row, write)
+            except (KeyboardInterrupt, SystemExit):
+                row.stopped = True
+                write()
+                raise
+    report = write()
     print(report, end="")
     print(f"wrote maxlen.md, maxlen.csv, maxlen_trials.csv in {args.out}", file=sys.stderr)
     return rows

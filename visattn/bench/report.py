@@ -353,23 +353,26 @@ def _seed_claim(attn: str) -> str:
 
 
 def _stop_text(row: Row, patch: tuple[int, int], ops: bool) -> str:
-    failing = row.failing
     if row.error:
         return f"error: {row.error}"
-    if failing is None:
-        return "fits at --max-tokens"
-    where = f"{failing.tokens:,} tokens, {_grid_label(failing.grid, patch, ops)}"
-    return {"oom": f"out of memory at {where}", "time": f"time limit at {where}"}.get(failing.status, where)
+    if row.stopped:
+        return f"the command was stopped during its search, after {len(row.trials)} trial(s)"
+    parts = []
+    for trial, what in ((row.timed_out, "time limit"), (row.failing, "out of memory")):
+        if trial is not None:
+            parts.append(f"{what} at {trial.tokens:,} tokens, {_grid_label(trial.grid, patch, ops)}")
+    return "; ".join(parts) or "fits at --max-tokens"
 
 
 def _largest_text(row: Row) -> str:
-    """The largest count that fitted; "≥" where no limit was reached above it (time, --max-tokens)."""
+    """The largest count that fitted; "≥" where the search ended before it found the memory limit (time,
+    --max-tokens, the command stopped)."""
     largest = row.largest
-    if row.search is None or (largest is None and row.stopped_by == "time"):
+    if largest is None and (row.search is None or row.stopped_by == "time"):
         return "?"
     if largest is None:
         return f"< {row.search.trials[0][0]:,}"
-    bound = "≥ " if row.stopped_by in ("time", "ceiling") else ""
+    bound = "≥ " if row.stopped_by in ("time", "ceiling", "stopped") else ""
     return f"{bound}{largest.tokens:,}"
 
 
@@ -385,8 +388,9 @@ def max_tokens_csv_rows(rows: list[Row], sweep: MaxTokensSweep) -> list[dict[str
         record |= {
             "peak_mem_mb": round(largest.peak_bytes / MB, 1) if largest and largest.peak_bytes is not None else None,
             "failed_tokens": failing.tokens if failing else None,
+            "timed_out_tokens": row.timed_out.tokens if row.timed_out else None,
             "stopped_by": row.stopped_by,
-            "message": row.error or (failing.message if failing else ""),
+            "message": row.error or "; ".join(t.message for t in (row.timed_out, failing) if t is not None),
             "trials": len(row.trials),
             "seconds": round(sum(t.seconds for t in row.trials.values()), 1),
             "seed_claim": _seed_claim(row.attn),
@@ -409,8 +413,8 @@ def max_tokens_trial_rows(rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def max_tokens_report(rows: list[Row], sweep: MaxTokensSweep) -> str:
-    """The markdown table of a ``max-tokens`` run: per type and mode searched so far, the largest count that
-    fitted, its grid, its peak, and what stopped the search."""
+    """The markdown table of a ``max-tokens`` run: per type and mode, the largest count that fitted, its grid,
+    its peak, and what stopped the search ("not searched" for a row not reached)."""
     a = sweep.args
     options = ", ".join(f"{key}={value}" for key, value in a.model_kwargs.items())
     what = f"token mixing alone, {a.heads} heads x {a.head_dim}" if a.ops else f"{a.model}" + (f" ({options})" if options else "")
@@ -419,7 +423,8 @@ def max_tokens_report(rows: list[Row], sweep: MaxTokensSweep) -> str:
         + (", gradient checkpointing" if a.grad_checkpointing else ""),
         "",
         f"Doubling from {a.min_tokens:,} tokens up to {a.max_tokens:,}, then bisecting to within {100 * a.tolerance:.3g}%; "
-        f"a trial may take {a.trial_timeout:g} s; ≥: the memory limit was not reached.",
+        f"a trial may take {a.trial_timeout:g} s; ≥: a lower bound, the search having ended on the time limit or at "
+        "--max-tokens before the memory limit was found to within the tolerance.",
         "",
     ]
     by_key = {(r.attn, r.mode): r for r in rows}
@@ -429,11 +434,11 @@ def max_tokens_report(rows: list[Row], sweep: MaxTokensSweep) -> str:
         header += [f"{name}: max tokens", f"{name}: grid", f"{name}: peak MB", f"{name}: stopped by"]
     header.append("seed claim")
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for attn in [name for name in sweep.rows if any((name, mode) in by_key for mode in a.modes)]:
+    for attn in sweep.rows:
         cells = [f"`{attn}`"]
         for mode in a.modes:
             row = by_key.get((attn, mode))
-            if row is None:  # the run stopped before this mode's search
+            if row is None:  # not reached (yet, or the command was stopped before it)
                 cells += ["not searched", "", "", ""]
                 continue
             largest = row.largest

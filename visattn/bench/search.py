@@ -15,8 +15,10 @@ the peak includes the optimizer's state.
 
 Each count is one trial in its own capped process (:mod:`visattn.bench.trial`). A trial that runs out
 of memory fails that count; one that passes ``--trial-timeout`` seconds ends the row's search with the
-last count that fitted as a lower bound (the memory limit was not reached); an error of any other kind
-ends the row with its message.
+last count that fitted as a lower bound (the memory limit lies above it); an error of any other kind
+ends the row with its message. The files are written anew after every trial: a command stopped part-way
+(SIGTERM, Ctrl-C) leaves the rows it finished, the trials of the row it was in (marked stopped) and the rows it
+did not reach (not searched).
 """
 from __future__ import annotations
 
@@ -116,32 +118,43 @@ class Row:
     trials: dict[tuple[int, int], Trial] = field(default_factory=dict)  # by grid, in the order run
     search: Search | None = None
     error: str = ""
+    stopped: bool = False  # the command was stopped (SIGTERM, Ctrl-C) during this row's search
 
     def trial_of(self, tokens: int | None) -> Trial | None:
         return None if tokens is None else self.trials[square_grid(tokens)]
 
     @property
     def largest(self) -> Trial | None:
-        return self.trial_of(self.search.largest) if self.search else None
+        """The largest count that fitted: the search's answer, or in a search stopped part-way the largest
+        trial that fitted so far."""
+        if self.search is not None:
+            return self.trial_of(self.search.largest)
+        return max((t for t in self.trials.values() if t.status == "ok"), key=lambda t: t.tokens, default=None)
 
     @property
     def failing(self) -> Trial | None:
-        """The trial that ended the search: the one that ran past the time limit, the largest count then
-        being a lower bound (even where a larger count ran out of memory before it); else the smallest count
-        that did not fit; None where every count fitted."""
-        if self.search is None:
+        """The smallest count that did not fit (ran out of memory); None where none failed."""
+        return self.trial_of(self.search.smallest_failing) if self.search else None
+
+    @property
+    def timed_out(self) -> Trial | None:
+        """The trial that ran past the time limit and so ended the search; None where none did. The largest
+        count that fitted is then a lower bound: the memory limit lies above it, and below :attr:`failing`
+        where a larger count had run out of memory before."""
+        if self.search is None or not self.search.undecided:
             return None
-        if self.search.undecided:
-            return self.trial_of(self.search.trials[-1][0])
-        return self.trial_of(self.search.smallest_failing)
+        return self.trial_of(self.search.trials[-1][0])
 
     @property
     def stopped_by(self) -> str:
-        """Why the search ended: oom, time, ceiling (--max-tokens fitted) or error."""
+        """Why the search ended: error, stopped, time, oom or ceiling (--max-tokens fitted)."""
         if self.error:
             return "error"
-        failing = self.failing
-        return "ceiling" if failing is None else failing.status
+        if self.stopped:
+            return "stopped"
+        if self.timed_out is not None:
+            return "time"
+        return "ceiling" if self.failing is None else self.failing.status
 
 
 class MaxTokensSweep:
@@ -182,9 +195,9 @@ class MaxTokensSweep:
             elif attn != EXPLICIT_SOFTMAX:
                 build_layer(case, device="meta")
 
-    def search(self, attn: str, mode: str, report: Callable[[Row, Trial], None]) -> Row:
-        a = self.args
-        row = Row(attn, mode)
+    def search(self, row: Row, report: Callable[[Row, Trial], None]) -> None:
+        """Search ``row`` (its type and mode) in place, calling ``report`` after every trial."""
+        a, attn, mode = self.args, row.attn, row.mode
 
         def fits(tokens: int) -> bool | None:
             grid = square_grid(tokens)
@@ -199,4 +212,3 @@ class MaxTokensSweep:
             row.search = search_largest(fits, a.min_tokens, a.max_tokens, a.tolerance)
         except _RowError as err:
             row.error = str(err)
-        return row
