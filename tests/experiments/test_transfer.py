@@ -7,6 +7,7 @@ import contextlib
 import csv
 import io
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -165,6 +166,32 @@ def test_finished_runs_are_reused_not_retrained(folder, monkeypatch, capsys):
     assert transfer.main(table_argv(folder)) == 0
     assert "4 runs: 4 finished before, 0 to train (0 resumed)" in capsys.readouterr().out
     assert (folder / "table.md").read_text() == before
+
+
+def planned_runs(folder: Path, parent: str) -> list:
+    args, train_args = transfer.parse_args(table_argv(folder)[2:] + ["--parent", parent])
+    return transfer.plan_table(args, train_args)[1]
+
+
+def test_a_parent_is_the_same_however_its_path_is_spelled(folder, monkeypatch):
+    monkeypatch.chdir(folder / "runs")
+    for parent in (str(folder / "parent"), "../parent", str(folder / "runs" / ".." / "parent")):
+        runs = planned_runs(folder, parent)
+        assert [execute.choose_action(run, retrain=False) for run in runs] == [
+            ("reuse", "finished with this config")] * 4, parent
+
+
+def test_runs_started_before_their_parent_was_retrained_in_place_are_trained_afresh(folder):
+    runs = planned_runs(folder, str(folder / "parent"))
+    summary = folder / "parent" / "summary.json"
+    before = summary.stat()
+    later = max((run.run_dir / "config.yaml").stat().st_mtime for run in runs) + 10
+    os.utime(summary, (later, later))  # the parent trained again, as accuracy --retrain leaves it
+    try:
+        actions = [execute.choose_action(run, retrain=False) for run in runs]
+    finally:
+        os.utime(summary, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert actions == [("train", f"the run it starts from ({folder / 'parent'}) finished again after it started")] * 4
 
 
 # -- what it refuses ------------------------------------------------------------------------------------------

@@ -143,6 +143,16 @@ class FinishedRun:
         return "last" if self.summary.get("selected_on") == "test" else "best"
 
 
+def started_from(config: TrainConfig) -> Path | None:
+    """The run directory whose weights ``config`` starts from: the one its ``initial_checkpoint`` names, or the
+    one that holds the weights file it names; None for fresh or published weights, or a file outside any run."""
+    if config.initial_checkpoint is None:
+        return None
+    start = Path(config.initial_checkpoint)
+    folder = start if start.is_dir() else start.parent
+    return folder if (folder / CONFIG_FILE).is_file() else None
+
+
 def read_finished(row: str, seed: int, run_dir: Path) -> FinishedRun:
     """The finished run in ``run_dir``; ValueError (one line naming the file) for one that is not."""
     for name in (CONFIG_FILE, SUMMARY_FILE):

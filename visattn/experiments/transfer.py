@@ -46,14 +46,15 @@ the same task at the same size, one row per ``--attn`` row (``--from-scratch-row
 ``--attn`` rows themselves): their reported test accuracy and their training over all their stages. Without it
 the table leaves them out, and says so.
 
-A run of this config that finished is reused, a stopped one resumed, any other trained afresh (``--retrain``:
-every run), one line per run, as the accuracy runner does; a table of hours is so built over several
-invocations. Written after every run (``--output NAME.md``): the markdown table, a line per row and stage (the
-parent's first) with test accuracy (median [min-max] over the seeds that finished, and their count), each seed's
-accuracy minus its parent's in points, the training images and seconds since the parent's weights (medians),
-and how many runs finished; ``NAME.json``, the lines, every stage of every run and every run's per-epoch
-records; ``NAME.csv``, every stage of every run, parent and run from scratch. The note below the table names
-the command that wrote it.
+A run of this config that finished is reused, a stopped one resumed, any other trained afresh (``--retrain``: every
+run), one line per run, as the accuracy runner does; a table of hours is so built over several invocations. A parent
+is the same whichever way its path is spelled; a run that started before its parent last finished (the parent
+retrained in place since) is trained afresh. Written after every run (``--output NAME.md``): the markdown table, a
+line per row and stage (the parent's first) with test accuracy (median [min-max] over the seeds that finished, and
+their count), each seed's accuracy minus its parent's in points, the training images and seconds since the parent's
+weights (medians), and how many runs finished; ``NAME.json``, the lines, every stage of every run and every run's
+per-epoch records; ``NAME.csv``, every stage of every run, parent and run from scratch. The note below the table
+names the command that wrote it.
 """
 from __future__ import annotations
 
