@@ -262,7 +262,7 @@ def test_bad_parents_and_runs_from_scratch_stop_before_any_run(folder, tmp_path,
          f"error: --from-scratch-root: {tmp_path / 'nowhere'} does not exist; accepted: an accuracy table's run root"),
         (["--parent", str(folder / "parent"), "--from-scratch-root", str(tmp_path / "scratch"), *common],
          f"error: --from-scratch-root: {wider} differs in image_hw (32, 32) (the table's runs: (16, 16)); accepted: "
-         "runs of the same task at the same size"),
+         "runs of the same task and model (but for its attention) at the same size"),
         (["--parent", str(folder / "parent"), "--attn", "linear:dwconv_kernel=2", *common[2:]],
          "error: attn 'linear' with options {'dwconv_kernel': 2}: cannot build its model: linear: dwconv_kernel must be"),
     ]
@@ -271,6 +271,26 @@ def test_bad_parents_and_runs_from_scratch_stop_before_any_run(folder, tmp_path,
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith(message), line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("values, differs", [
+    (dict(model="visattn_vit_small_patch16"), "model 'visattn_vit_small_patch16' (the table's runs: 'visattn_vit_tiny_patch16')"),
+    (dict(embed_dim=32, num_heads=4), "embed_dim 32 (the table's runs: 16), num_heads 4 (the table's runs: 2)"),
+    (dict(depth=3), "depth 3 (the table's runs: 2)"),
+    (dict(mlp_ratio=4.0), "mlp_ratio 4.0 (the table's runs: 2.0)"),
+    (dict(stem="conv"), "stem 'conv' (the table's runs: 'patch')"),
+    (dict(global_pool="token", class_token=True),
+     "global_pool 'token' (the table's runs: 'avg'), class_token True (the table's runs: False)"),
+])
+def test_runs_from_scratch_of_another_model_are_refused_naming_what_differs(folder, tmp_path, monkeypatch, capsys,
+                                                                             values, differs):
+    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    other = edited_copy(folder / "scratch" / "axial" / "seed0", tmp_path / "scratch" / "axial" / "seed0", **values)
+    assert transfer.main(["--parent", str(folder / "parent"), "--attn", "axial", "--from-scratch-root",
+                          str(tmp_path / "scratch"), "--run-root", str(tmp_path / "runs"), "--output",
+                          str(tmp_path / "t.md")]) == 2
+    assert capsys.readouterr().err == (f"error: --from-scratch-root: {other} differs in {differs}; accepted: runs of the "
+                                       "same task and model (but for its attention) at the same size\n")
 
 
 # -- the pieces of the table ----------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ too (``--transfer-projections`` of train.py): the runner says so in a line at th
 row's transfer stage and its note. ``--transfer-projections`` here does so for every row.
 
 From scratch (``--from-scratch-root ROOT``): an accuracy table's run root, ``ROOT/<row>/seed<k>`` finished runs of
-the same task at the same size, one row per ``--attn`` row (``--from-scratch-rows``, in order; by default the
-``--attn`` rows themselves): their reported test accuracy and their training over all their stages. Without it
+the same task and model at the same size, one row per ``--attn`` row (``--from-scratch-rows``, in order; by default
+the ``--attn`` rows themselves): their reported test accuracy and their training over all their stages. Without it
 the table leaves them out, and says so.
 
 A run of this config that finished is reused, a stopped one resumed, any other trained afresh (``--retrain``: every
@@ -84,8 +84,10 @@ SET_BY_TABLE = (*TABLE_FLAGS, "--config", "--initial-checkpoint", "--epochs", "-
                 "--no-test-every-epoch", "--transfer-projections", "--no-transfer-projections")
 # The arm without transfer: a row's own flags, after the table's --transfer-epochs N.
 NO_TRANSFER = ("--transfer-epochs", "0")
-# What a run trained from scratch must share with the table's runs to be compared with them.
-SAME_TASK = ("dataset", "dataset_kwargs", "image_hw", "patch_size")
+# What a run trained from scratch must share with the table's runs to be compared with them: the task, the size
+# and the model but for its attention.
+SAME_TASK_AND_MODEL = ("dataset", "dataset_kwargs", "image_hw", "patch_size", "model", "stem", "embed_dim", "depth",
+                       "num_heads", "mlp_ratio", "global_pool", "class_token", "model_kwargs")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -232,7 +234,7 @@ def transfer_rows(args: argparse.Namespace, train_args: list[str], parents: dict
 def read_from_scratch(root: Path, rows: list[Row], seeds: list[int], runs_config: TrainConfig
                       ) -> dict[tuple[str, int], FinishedRun]:
     """The finished runs of ``rows`` and ``seeds`` under ``root``; ValueError (one line) for a root that does not
-    exist or a run of another task or size than the table's runs."""
+    exist or a run of another task, size or model than the table's runs."""
     if not root.is_dir():
         raise ValueError(f"--from-scratch-root: {root} does not exist; accepted: an accuracy table's run root")
     found = {}
@@ -246,10 +248,10 @@ def read_from_scratch(root: Path, rows: list[Row], seeds: list[int], runs_config
             except (ValueError, OSError) as error:
                 raise ValueError(f"--from-scratch-root: {error}") from None
             differ = [f"{key} {getattr(run.config, key)!r} (the table's runs: {getattr(runs_config, key)!r})"
-                      for key in SAME_TASK if getattr(run.config, key) != getattr(runs_config, key)]
+                      for key in SAME_TASK_AND_MODEL if getattr(run.config, key) != getattr(runs_config, key)]
             if differ:
                 raise ValueError(f"--from-scratch-root: {run_dir} differs in {', '.join(differ)}; accepted: runs of "
-                                 "the same task at the same size")
+                                 "the same task and model (but for its attention) at the same size")
             found[(row.text, seed)] = run
     return found
 
