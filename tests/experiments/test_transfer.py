@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 import train  # the script at the repository root, importable from there as pytest runs the tests
-from visattn.experiments import execute, transfer, transfer_table
-from visattn.experiments.plan import expected_config
+from visattn.experiments import execute, summarise, transfer, transfer_table
+from visattn.experiments.plan import Run, expected_config, parse_rows
 from visattn.experiments.summarise import FinishedRun
 from visattn.train.config import config_yaml, make_config
 
@@ -308,6 +308,22 @@ def test_a_parent_s_training_counts_the_stages_it_started_from(tmp_path):
     assert transfer_table.lineage_cost(second) == (2 * 10 + 7 + epochs * 20, 2 * 2.0 + 4.0 + epochs * 2.0)
     assert transfer_table.recipe_words(second) == f"2 epochs at 8×8 px, then {epochs} epochs at 16×16 px"
     assert transfer_table.lineage(first) == [first]
+
+
+def test_a_run_from_scratch_is_timed_as_the_accuracy_table_times_it(tmp_path):
+    """Training plus validation over every stage's epochs, an older record without eval_time_s at its training."""
+    first, second = tmp_path / "seed0-stage1", tmp_path / "seed0"
+    records = {first: [dict(train_images=10, train_time_s=1.5, eval_time_s=0.5)] * 2,
+               second: [dict(train_images=20, train_time_s=3.0)]}
+    for run_dir, config in ((first, {}), (second, dict(initial_checkpoint=str(first)))):
+        run_dir.mkdir()
+        (run_dir / "config.yaml").write_text(config_yaml(make_config(config)))
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records[run_dir]))
+    row = parse_rows(["axial"])[0]
+    stage = Run(row, 0, first, argv=[], summary=dict(wall_time_s=60.0), stage=1, last=False)
+    run = Run(row, 0, second, argv=[], summary=dict(wall_time_s=60.0), stage=2, previous=stage)
+    assert transfer_table.lineage_cost(second) == (40, 2 * 2.0 + 3.0)
+    assert summarise.all_stages_seconds(run) == 2 * 2.0 + 3.0
 
 
 def test_each_seed_is_compared_with_its_own_parent():

@@ -12,7 +12,7 @@ from typing import Any
 
 from visattn.experiments.plan import Row, Run, expected_config
 from visattn.experiments.report import median_range
-from visattn.experiments.summarise import FinishedRun, median_of_known
+from visattn.experiments.summarise import FinishedRun, epoch_time, median_of_known, read_records
 from visattn.train import CONFIG_FILE, METRICS_FILE, TRANSFER_METRICS_FILE, TrainConfig, make_config, read_yaml
 
 CONVERTED = "converted"
@@ -29,16 +29,9 @@ def epochs_words(count: int) -> str:
     return f"{count} epoch{'s' if count != 1 else ''}"
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of a run's metrics file (none where there is no such file)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def training_cost(records: list[dict[str, Any]]) -> tuple[int, float]:
-    """(images trained on, seconds) of epoch records: their training images, and their training plus the
-    evaluation that ends each (validation, or the transfer's held-out MSE); test evaluations are not counted."""
-    return (sum(record["train_images"] for record in records),
-            sum(record["train_time_s"] + record["eval_time_s"] for record in records))
+    """(images trained on, seconds: :func:`~visattn.experiments.summarise.epoch_time`) of epoch records."""
+    return sum(record["train_images"] for record in records), sum(map(epoch_time, records))
 
 
 @dataclass(frozen=True)
@@ -249,8 +242,8 @@ def note(table: TransferTable, command: str) -> str:
         "Training images and seconds (medians over the seeds): since the parent's weights, cumulative over the "
         "stages (a transfer image passes through the parent and the converted layers); of the parents and the runs "
         "from scratch, all their stages (the runs they started from included). From the runs' records: training "
-        "plus the validation (or the transfer's held-out loss) at the end of each epoch; start-up, data and test "
-        "evaluations not counted.",
+        "plus the validation (or the transfer's held-out loss) at the end of each epoch; start-up, data preparation "
+        "and test evaluations not counted (the accuracy tables' seconds of all stages count the same).",
         "Transfer trains the parameters each type adds to the parent's qkv, proj and norms; a transfer stage marked "
         "\"qkv, proj and norms too\" trains those as well (--transfer-projections: a type that adds none, or every "
         "row where the command asks for it).",
