@@ -294,31 +294,43 @@ def test_runs_from_scratch_of_another_model_are_refused_naming_what_differs(fold
 
 
 # -- the pieces of the table ----------------------------------------------------------------------------------
+def recorded_run(run_dir: Path, records: list[dict], **config) -> Path:
+    """A run directory with ``config`` as its config.yaml and ``records`` as its epoch records."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(config_yaml(make_config(config)))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return run_dir
+
+
 def test_a_parent_s_training_counts_the_stages_it_started_from(tmp_path):
-    first, second = tmp_path / "seed0-stage1", tmp_path / "seed0"
-    for run_dir, config, images in ((first, dict(img_size=8, epochs=2), 10), (second, dict(initial_checkpoint=str(first)), 20)):
-        run_dir.mkdir()
-        (run_dir / "config.yaml").write_text(config_yaml(make_config(config)))
-        records = [dict(epoch=epoch, train_images=images, train_time_s=1.5, eval_time_s=0.5)
-                   for epoch in range(1, make_config(config).epochs + 1)]
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    epochs = make_config({}).epochs
+    first = recorded_run(tmp_path / "seed0-stage1", [dict(train_images=10, train_time_s=1.5, eval_time_s=0.5)] * 2,
+                         img_size=8, epochs=2)
+    second = recorded_run(tmp_path / "seed0", [dict(train_images=20, train_time_s=1.5, eval_time_s=0.5)] * epochs,
+                          initial_checkpoint=str(first))
     (second / "transfer_metrics.jsonl").write_text(json.dumps(dict(train_images=7, train_time_s=3.0, eval_time_s=1.0)))
     assert transfer_table.lineage(second) == [first, second]
-    epochs = make_config({}).epochs
     assert transfer_table.lineage_cost(second) == (2 * 10 + 7 + epochs * 20, 2 * 2.0 + 4.0 + epochs * 2.0)
     assert transfer_table.recipe_words(second) == f"2 epochs at 8×8 px, then {epochs} epochs at 16×16 px"
     assert transfer_table.lineage(first) == [first]
 
 
+def test_a_run_started_from_a_weights_file_in_a_run_counts_that_run(tmp_path):
+    first = recorded_run(tmp_path / "first", [dict(train_images=10, train_time_s=1.0)])
+    best, checkpoint = first / "model_best.safetensors", first / "checkpoints" / "step_00000006" / "model.safetensors"
+    for weights in (best, checkpoint):
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        weights.write_bytes(b"")
+        second = recorded_run(tmp_path / weights.name, [dict(train_images=20, train_time_s=2.0)],
+                              initial_checkpoint=str(weights))
+        assert transfer_table.lineage(second) == [first, second]
+        assert transfer_table.lineage_cost(second) == (30, 3.0)
+
+
 def test_a_run_from_scratch_is_timed_as_the_accuracy_table_times_it(tmp_path):
     """Training plus validation over every stage's epochs, an older record without eval_time_s at its training."""
-    first, second = tmp_path / "seed0-stage1", tmp_path / "seed0"
-    records = {first: [dict(train_images=10, train_time_s=1.5, eval_time_s=0.5)] * 2,
-               second: [dict(train_images=20, train_time_s=3.0)]}
-    for run_dir, config in ((first, {}), (second, dict(initial_checkpoint=str(first)))):
-        run_dir.mkdir()
-        (run_dir / "config.yaml").write_text(config_yaml(make_config(config)))
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records[run_dir]))
+    first = recorded_run(tmp_path / "seed0-stage1", [dict(train_images=10, train_time_s=1.5, eval_time_s=0.5)] * 2)
+    second = recorded_run(tmp_path / "seed0", [dict(train_images=20, train_time_s=3.0)], initial_checkpoint=str(first))
     row = parse_rows(["axial"])[0]
     stage = Run(row, 0, first, argv=[], summary=dict(wall_time_s=60.0), stage=1, last=False)
     run = Run(row, 0, second, argv=[], summary=dict(wall_time_s=60.0), stage=2, previous=stage)

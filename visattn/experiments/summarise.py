@@ -163,12 +163,13 @@ class FinishedRun:
 
 def started_from(config: TrainConfig) -> Path | None:
     """The run directory whose weights ``config`` starts from: the one its ``initial_checkpoint`` names, or the
-    one that holds the weights file it names; None for fresh or published weights, or a file outside any run."""
+    nearest above the weights file it names (a run's best weights, a checkpoint's); None for fresh or published
+    weights, a file outside any run, or a path that does not exist (any more)."""
     if config.initial_checkpoint is None:
         return None
     start = Path(config.initial_checkpoint)
-    folder = start if start.is_dir() else start.parent
-    return folder if (folder / CONFIG_FILE).is_file() else None
+    folders = [start] if start.is_dir() else start.parents if start.is_file() else []
+    return next((folder for folder in folders if (folder / CONFIG_FILE).is_file()), None)
 
 
 def read_finished(row: str, seed: int, run_dir: Path) -> FinishedRun:

@@ -12,7 +12,7 @@ from typing import Any
 
 from visattn.experiments.plan import Row, Run, expected_config
 from visattn.experiments.report import median_range
-from visattn.experiments.summarise import FinishedRun, epoch_time, median_of_known, read_records
+from visattn.experiments.summarise import FinishedRun, epoch_time, median_of_known, read_records, started_from
 from visattn.train import CONFIG_FILE, METRICS_FILE, TRANSFER_METRICS_FILE, TrainConfig, make_config, read_yaml
 
 CONVERTED = "converted"
@@ -61,16 +61,14 @@ def run_points(run: Run, finetune_epochs: list[int]) -> list[Point]:
 
 
 def lineage(run_dir: Path) -> list[Path]:
-    """``run_dir`` and the runs it started from (an ``initial_checkpoint`` naming a run directory: a
-    curriculum's earlier stages), first to last."""
+    """``run_dir`` and the runs whose weights it started from (:func:`~visattn.experiments.summarise.started_from`:
+    a curriculum's earlier stages), first to last."""
     runs = [run_dir]
     while True:
-        start = make_config(read_yaml(runs[0] / CONFIG_FILE)).initial_checkpoint
-        if start is None or not (Path(start) / CONFIG_FILE).is_file() or Path(start).resolve() in {
-            run.resolve() for run in runs
-        }:
+        start = started_from(make_config(read_yaml(runs[0] / CONFIG_FILE)))
+        if start is None or start.resolve() in {run.resolve() for run in runs}:
             return runs
-        runs.insert(0, Path(start))
+        runs.insert(0, start)
 
 
 def lineage_cost(run_dir: Path) -> tuple[int, float]:
