@@ -293,6 +293,34 @@ def test_runs_from_scratch_of_another_model_are_refused_naming_what_differs(fold
                                        "same task and model (but for its attention) at the same size\n")
 
 
+def without_train_images(metrics: Path) -> Path:
+    """``metrics``, its records as train.py wrote transfer epochs before it counted their images."""
+    records = [{key: value for key, value in record.items() if key != "train_images"} for record in read_lines(metrics)]
+    metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return metrics
+
+
+def test_transfer_records_without_their_images_stop_the_table_in_one_line_naming_them(folder, tmp_path, monkeypatch,
+                                                                                       capsys):
+    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    # a parent whose lineage holds an older transfer stage: refused before any run
+    parent = shutil.copytree(folder / "parent", tmp_path / "parent")
+    (parent / "transfer_metrics.jsonl").write_text(json.dumps(dict(train_time_s=1.0, eval_time_s=0.5)) + "\n")
+    common = ["--attn", *ROWS, "--transfer-epochs", "1", "--finetune-epochs", "1", "2", "--output", str(tmp_path / "t.md")]
+    assert transfer.main(["--parent", str(parent), *common, "--run-root", str(tmp_path / "new-runs")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {parent / 'transfer_metrics.jsonl'}: record 1 has no train_images (written before train.py counted "
+        f"them); accepted: the records of a run trained since: train {parent} again\n")
+    assert not (tmp_path / "new-runs").exists()
+    # a run of the table's own, finished with older transfer records (resumed across the change): reused, then refused
+    runs = shutil.copytree(folder / "runs", tmp_path / "runs")
+    metrics = without_train_images(runs / "transfer" / "axial" / "seed0" / "transfer_metrics.jsonl")
+    assert transfer.main(["--parent", str(folder / "parent"), *common, "--run-root", str(runs)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {metrics}: record 1 has no train_images (written before train.py counted them); accepted: the "
+        f"records of a run trained since: train {metrics.parent} again\n")
+
+
 # -- the pieces of the table ----------------------------------------------------------------------------------
 def recorded_run(run_dir: Path, records: list[dict], **config) -> Path:
     """A run directory with ``config`` as its config.yaml and ``records`` as its epoch records."""

@@ -70,7 +70,9 @@ from visattn.experiments.plan import (
 )
 from visattn.experiments.report import command_line
 from visattn.experiments.summarise import FinishedRun, read_finished
-from visattn.experiments.transfer_table import PROJECTIONS, TransferTable, write_transfer
+from visattn.experiments.transfer_table import (
+    PROJECTIONS, TransferTable, UncountableRecords, lineage_cost, write_transfer,
+)
 from visattn.models import TIMM_ATTENTION, create_model
 from visattn.models.linearize import trainable_attention_parameters
 from visattn.predict import read_model_file
@@ -273,6 +275,8 @@ def plan_table(args: argparse.Namespace, train_args: list[str]) -> tuple[Transfe
     if args.from_scratch_root is not None:
         from_scratch = read_from_scratch(args.from_scratch_root, args.scratch_rows, args.seeds,
                                          expected_config(transfer_runs[0].argv))
+    for finished in (*parents.values(), *from_scratch.values()):
+        lineage_cost(finished.run_dir)  # a record the table cannot count stops it now, not after the first run
     table = TransferTable(rows, transfer_runs, no_transfer_runs, parents, args.transfer_epochs, args.finetune_epochs,
                           args.from_scratch_root, args.scratch_rows, from_scratch)
     return table, runs
@@ -294,8 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{row.text}: adds no parameters to the parent's qkv, proj and norms: its transfer trains those "
                       "(--transfer-projections)", flush=True)
     output = Path(args.output)
-    run_grid(runs, args.retrain, lambda: write_transfer(output, table, command))
-    print(write_transfer(output, table, command))
+    try:
+        run_grid(runs, args.retrain, lambda: write_transfer(output, table, command))
+        print(write_transfer(output, table, command))
+    except UncountableRecords as error:  # a run's own transfer records, older than their train_images
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0 if all(run.status == "finished" for run in runs) else 1
 
 

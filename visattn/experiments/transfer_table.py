@@ -29,8 +29,18 @@ def epochs_words(count: int) -> str:
     return f"{count} epoch{'s' if count != 1 else ''}"
 
 
-def training_cost(records: list[dict[str, Any]]) -> tuple[int, float]:
-    """(images trained on, seconds: :func:`~visattn.experiments.summarise.epoch_time`) of epoch records."""
+class UncountableRecords(ValueError):
+    """A run's epoch records without the images they trained on (one line naming the file)."""
+
+
+def training_cost(records: list[dict[str, Any]], source: Path) -> tuple[int, float]:
+    """(images trained on, seconds: :func:`~visattn.experiments.summarise.epoch_time`) of the epoch records read
+    from ``source``; :class:`UncountableRecords` for a record without its images: a transfer epoch's written before
+    train.py counted them."""
+    missing = next((number for number, record in enumerate(records, start=1) if "train_images" not in record), None)
+    if missing is not None:
+        raise UncountableRecords(f"{source}: record {missing} has no train_images (written before train.py counted "
+                                 f"them); accepted: the records of a run trained since: train {source.parent} again")
     return sum(record["train_images"] for record in records), sum(map(epoch_time, records))
 
 
@@ -49,12 +59,12 @@ def run_points(run: Run, finetune_epochs: list[int]) -> list[Point]:
     """The stages of a finished run of the table: converted, transferred (a run with a transfer stage), and
     the end of each epoch of ``finetune_epochs``, from its summary and per-epoch records."""
     transfer = read_records(run.run_dir / TRANSFER_METRICS_FILE)
-    images, seconds = training_cost(transfer)
+    images, seconds = training_cost(transfer, run.run_dir / TRANSFER_METRICS_FILE)
     points = [Point(CONVERTED, run.summary.get("initial_test_acc"), 0, 0.0)]
     if transfer:
         points.append(Point(TRANSFER, run.summary.get("transfer_test_acc"), images, seconds))
     for epoch in finetune_epochs:
-        more_images, more_seconds = training_cost(run.history[:epoch])
+        more_images, more_seconds = training_cost(run.history[:epoch], run.run_dir / METRICS_FILE)
         acc = run.history[epoch - 1].get("test_acc") if len(run.history) >= epoch else None
         points.append(Point(epoch_stage(epoch), acc, images + more_images, seconds + more_seconds))
     return points
@@ -73,7 +83,7 @@ def lineage(run_dir: Path) -> list[Path]:
 
 def lineage_cost(run_dir: Path) -> tuple[int, float]:
     """(images, seconds) of :func:`training_cost` over a finished run and the runs it started from."""
-    costs = [training_cost(read_records(run / name)) for run in lineage(run_dir)
+    costs = [training_cost(read_records(run / name), run / name) for run in lineage(run_dir)
              for name in (TRANSFER_METRICS_FILE, METRICS_FILE)]
     return sum(images for images, _ in costs), sum(seconds for _, seconds in costs)
 
