@@ -7,6 +7,7 @@ import contextlib
 import csv
 import io
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,8 +16,8 @@ import pytest
 import yaml
 
 import train  # the script at the repository root, importable from there as pytest runs the tests
-from visattn.experiments import execute, transfer, transfer_table
-from visattn.experiments.plan import expected_config
+from visattn.experiments import execute, summarise, transfer, transfer_table
+from visattn.experiments.plan import Run, expected_config, parse_rows
 from visattn.experiments.summarise import FinishedRun
 from visattn.train.config import config_yaml, make_config
 
@@ -167,6 +168,32 @@ def test_finished_runs_are_reused_not_retrained(folder, monkeypatch, capsys):
     assert (folder / "table.md").read_text() == before
 
 
+def planned_runs(folder: Path, parent: str) -> list:
+    args, train_args = transfer.parse_args(table_argv(folder)[2:] + ["--parent", parent])
+    return transfer.plan_table(args, train_args)[1]
+
+
+def test_a_parent_is_the_same_however_its_path_is_spelled(folder, monkeypatch):
+    monkeypatch.chdir(folder / "runs")
+    for parent in (str(folder / "parent"), "../parent", str(folder / "runs" / ".." / "parent")):
+        runs = planned_runs(folder, parent)
+        assert [execute.choose_action(run, retrain=False) for run in runs] == [
+            ("reuse", "finished with this config")] * 4, parent
+
+
+def test_runs_started_before_their_parent_was_retrained_in_place_are_trained_afresh(folder):
+    runs = planned_runs(folder, str(folder / "parent"))
+    summary = folder / "parent" / "summary.json"
+    before = summary.stat()
+    later = max((run.run_dir / "config.yaml").stat().st_mtime for run in runs) + 10
+    os.utime(summary, (later, later))  # the parent trained again, as accuracy --retrain leaves it
+    try:
+        actions = [execute.choose_action(run, retrain=False) for run in runs]
+    finally:
+        os.utime(summary, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert actions == [("train", f"the run it starts from ({folder / 'parent'}) finished again after it started")] * 4
+
+
 # -- what it refuses ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "argv, message",
@@ -235,7 +262,7 @@ def test_bad_parents_and_runs_from_scratch_stop_before_any_run(folder, tmp_path,
          f"error: --from-scratch-root: {tmp_path / 'nowhere'} does not exist; accepted: an accuracy table's run root"),
         (["--parent", str(folder / "parent"), "--from-scratch-root", str(tmp_path / "scratch"), *common],
          f"error: --from-scratch-root: {wider} differs in image_hw (32, 32) (the table's runs: (16, 16)); accepted: "
-         "runs of the same task at the same size"),
+         "runs of the same task and model (but for its attention) at the same size"),
         (["--parent", str(folder / "parent"), "--attn", "linear:dwconv_kernel=2", *common[2:]],
          "error: attn 'linear' with options {'dwconv_kernel': 2}: cannot build its model: linear: dwconv_kernel must be"),
     ]
@@ -246,21 +273,97 @@ def test_bad_parents_and_runs_from_scratch_stop_before_any_run(folder, tmp_path,
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("values, differs", [
+    (dict(model="visattn_vit_small_patch16"), "model 'visattn_vit_small_patch16' (the table's runs: 'visattn_vit_tiny_patch16')"),
+    (dict(embed_dim=32, num_heads=4), "embed_dim 32 (the table's runs: 16), num_heads 4 (the table's runs: 2)"),
+    (dict(depth=3), "depth 3 (the table's runs: 2)"),
+    (dict(mlp_ratio=4.0), "mlp_ratio 4.0 (the table's runs: 2.0)"),
+    (dict(stem="conv"), "stem 'conv' (the table's runs: 'patch')"),
+    (dict(global_pool="token", class_token=True),
+     "global_pool 'token' (the table's runs: 'avg'), class_token True (the table's runs: False)"),
+])
+def test_runs_from_scratch_of_another_model_are_refused_naming_what_differs(folder, tmp_path, monkeypatch, capsys,
+                                                                             values, differs):
+    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    other = edited_copy(folder / "scratch" / "axial" / "seed0", tmp_path / "scratch" / "axial" / "seed0", **values)
+    assert transfer.main(["--parent", str(folder / "parent"), "--attn", "axial", "--from-scratch-root",
+                          str(tmp_path / "scratch"), "--run-root", str(tmp_path / "runs"), "--output",
+                          str(tmp_path / "t.md")]) == 2
+    assert capsys.readouterr().err == (f"error: --from-scratch-root: {other} differs in {differs}; accepted: runs of the "
+                                       "same task and model (but for its attention) at the same size\n")
+
+
+def without_train_images(metrics: Path) -> Path:
+    """``metrics``, its records as train.py wrote transfer epochs before it counted their images."""
+    records = [{key: value for key, value in record.items() if key != "train_images"} for record in read_lines(metrics)]
+    metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return metrics
+
+
+def test_transfer_records_without_their_images_stop_the_table_in_one_line_naming_them(folder, tmp_path, monkeypatch,
+                                                                                       capsys):
+    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    # a parent whose lineage holds an older transfer stage: refused before any run
+    parent = shutil.copytree(folder / "parent", tmp_path / "parent")
+    (parent / "transfer_metrics.jsonl").write_text(json.dumps(dict(train_time_s=1.0, eval_time_s=0.5)) + "\n")
+    common = ["--attn", *ROWS, "--transfer-epochs", "1", "--finetune-epochs", "1", "2", "--output", str(tmp_path / "t.md")]
+    assert transfer.main(["--parent", str(parent), *common, "--run-root", str(tmp_path / "new-runs")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {parent / 'transfer_metrics.jsonl'}: record 1 has no train_images (written before train.py counted "
+        f"them); accepted: the records of a run trained since: train {parent} again\n")
+    assert not (tmp_path / "new-runs").exists()
+    # a run of the table's own, finished with older transfer records (resumed across the change): reused, then refused
+    runs = shutil.copytree(folder / "runs", tmp_path / "runs")
+    metrics = without_train_images(runs / "transfer" / "axial" / "seed0" / "transfer_metrics.jsonl")
+    assert transfer.main(["--parent", str(folder / "parent"), *common, "--run-root", str(runs)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {metrics}: record 1 has no train_images (written before train.py counted them); accepted: the "
+        f"records of a run trained since: train {metrics.parent} again\n")
+
+
 # -- the pieces of the table ----------------------------------------------------------------------------------
+def recorded_run(run_dir: Path, records: list[dict], **config) -> Path:
+    """A run directory with ``config`` as its config.yaml and ``records`` as its epoch records."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(config_yaml(make_config(config)))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return run_dir
+
+
 def test_a_parent_s_training_counts_the_stages_it_started_from(tmp_path):
-    first, second = tmp_path / "seed0-stage1", tmp_path / "seed0"
-    for run_dir, config, images in ((first, dict(img_size=8, epochs=2), 10), (second, dict(initial_checkpoint=str(first)), 20)):
-        run_dir.mkdir()
-        (run_dir / "config.yaml").write_text(config_yaml(make_config(config)))
-        records = [dict(epoch=epoch, train_images=images, train_time_s=1.5, eval_time_s=0.5)
-                   for epoch in range(1, make_config(config).epochs + 1)]
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    epochs = make_config({}).epochs
+    first = recorded_run(tmp_path / "seed0-stage1", [dict(train_images=10, train_time_s=1.5, eval_time_s=0.5)] * 2,
+                         img_size=8, epochs=2)
+    second = recorded_run(tmp_path / "seed0", [dict(train_images=20, train_time_s=1.5, eval_time_s=0.5)] * epochs,
+                          initial_checkpoint=str(first))
     (second / "transfer_metrics.jsonl").write_text(json.dumps(dict(train_images=7, train_time_s=3.0, eval_time_s=1.0)))
     assert transfer_table.lineage(second) == [first, second]
-    epochs = make_config({}).epochs
     assert transfer_table.lineage_cost(second) == (2 * 10 + 7 + epochs * 20, 2 * 2.0 + 4.0 + epochs * 2.0)
     assert transfer_table.recipe_words(second) == f"2 epochs at 8×8 px, then {epochs} epochs at 16×16 px"
     assert transfer_table.lineage(first) == [first]
+
+
+def test_a_run_started_from_a_weights_file_in_a_run_counts_that_run(tmp_path):
+    first = recorded_run(tmp_path / "first", [dict(train_images=10, train_time_s=1.0)])
+    best, checkpoint = first / "model_best.safetensors", first / "checkpoints" / "step_00000006" / "model.safetensors"
+    for weights in (best, checkpoint):
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        weights.write_bytes(b"")
+        second = recorded_run(tmp_path / weights.name, [dict(train_images=20, train_time_s=2.0)],
+                              initial_checkpoint=str(weights))
+        assert transfer_table.lineage(second) == [first, second]
+        assert transfer_table.lineage_cost(second) == (30, 3.0)
+
+
+def test_a_run_from_scratch_is_timed_as_the_accuracy_table_times_it(tmp_path):
+    """Training plus validation over every stage's epochs, an older record without eval_time_s at its training."""
+    first = recorded_run(tmp_path / "seed0-stage1", [dict(train_images=10, train_time_s=1.5, eval_time_s=0.5)] * 2)
+    second = recorded_run(tmp_path / "seed0", [dict(train_images=20, train_time_s=3.0)], initial_checkpoint=str(first))
+    row = parse_rows(["axial"])[0]
+    stage = Run(row, 0, first, argv=[], summary=dict(wall_time_s=60.0), stage=1, last=False)
+    run = Run(row, 0, second, argv=[], summary=dict(wall_time_s=60.0), stage=2, previous=stage)
+    assert transfer_table.lineage_cost(second) == (40, 2 * 2.0 + 3.0)
+    assert summarise.all_stages_seconds(run) == 2 * 2.0 + 3.0
 
 
 def test_each_seed_is_compared_with_its_own_parent():

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from visattn.experiments.plan import REPO, Row, Run, all_runs, expected_config, run_name
-from visattn.experiments.summarise import read_run
+from visattn.experiments.summarise import read_run, started_from
 from visattn.train import CONFIG_FILE, SUMMARY_FILE, ConfigError, TrainConfig, list_checkpoints, make_config, read_yaml
 
 # Config keys that say where and how a run is kept, not what it trains: a run that differs only in them is reused.
@@ -39,16 +39,19 @@ def choose_action(run: Run, retrain: bool) -> tuple[str, str]:
         saved = make_config(read_yaml(config_file))
     except ConfigError as error:
         return "train", f"its saved config is unreadable here ({error})"
-    # A later stage's initial_checkpoint names its previous stage's folder, however --run-root was spelled:
-    # compared as that folder, and by whether it started after that stage last finished.
-    ignored = ("initial_checkpoint",) if run.previous is not None else ()
-    differences = config_differences(saved, expected_config(run.argv), ignored)
-    if run.previous is not None and not starts_from(saved, run.previous):
-        differences.append(f"initial_checkpoint: {saved.initial_checkpoint!r} -> {str(run.previous.run_dir)!r}")
+    # The weights a run starts from (a previous stage's, a transfer table's parent's) are compared as the folder
+    # or file they are, however its path was spelled, and by whether the run started after the run that trained
+    # them last finished: a run reached from weights since replaced is stale whatever its config.
+    expected = expected_config(run.argv)
+    differences = config_differences(saved, expected, ignored=("initial_checkpoint",))
+    if not same_start(saved, expected):
+        differences.append(f"initial_checkpoint: {saved.initial_checkpoint!r} -> {expected.initial_checkpoint!r}")
     if differences:
         return "train", f"its config differs: {'; '.join(differences)}"
-    if run.previous is not None and started_before(run, run.previous):
-        return "train", "the stage it starts from finished again after it started"
+    start = started_from(expected)
+    if start is not None and started_before(run, start):
+        what = "the stage it starts from" if run.previous is not None else f"the run it starts from ({start})"
+        return "train", f"{what} finished again after it started"
     if (run.run_dir / SUMMARY_FILE).is_file():
         return "reuse", "finished with this config"
     if list_checkpoints(run.run_dir):
@@ -56,15 +59,17 @@ def choose_action(run: Run, retrain: bool) -> tuple[str, str]:
     return "train", "no checkpoint to resume from"
 
 
-def starts_from(saved: TrainConfig, previous: Run) -> bool:
-    """Whether a saved config starts from ``previous``'s folder (its weights), however the path is spelled."""
-    return (saved.initial_checkpoint is not None
-            and Path(saved.initial_checkpoint).resolve() == previous.run_dir.resolve())
+def same_start(saved: TrainConfig, expected: TrainConfig) -> bool:
+    """Whether two configs start from the same weights (or both from none), however their paths are spelled."""
+    starts = saved.initial_checkpoint, expected.initial_checkpoint
+    if None in starts:
+        return starts == (None, None)
+    return Path(starts[0]).resolve() == Path(starts[1]).resolve()
 
 
-def started_before(run: Run, previous: Run) -> bool:
-    """Whether ``run`` started (wrote its config) before ``previous`` last finished (wrote its summary)."""
-    summary = previous.run_dir / SUMMARY_FILE
+def started_before(run: Run, start: Path) -> bool:
+    """Whether ``run`` started (wrote its config) before the run in ``start`` last finished (wrote its summary)."""
+    summary = start / SUMMARY_FILE
     return summary.is_file() and (run.run_dir / CONFIG_FILE).stat().st_mtime < summary.stat().st_mtime
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from visattn.experiments.plan import Row, run_folder
-from visattn.experiments.summarise import FinishedRun, read_finished
+from visattn.experiments.summarise import FinishedRun, read_finished, started_from
 from visattn.train import ConfigError
 
 # What a second stage must share with its first: the model and the data, all but the image size.
@@ -42,11 +42,6 @@ def table_stages(run_root: Path, rows: list[Row], seeds: list[int]) -> list[Fini
     return stages
 
 
-def _inside(path: str | Path, folder: str | Path) -> bool:
-    """Whether ``path`` is ``folder`` or a file under it (both resolved)."""
-    return Path(path).resolve().is_relative_to(Path(folder).resolve())
-
-
 def check_second_stage(first: FinishedRun, second: FinishedRun, img_size: int) -> None:
     """ValueError, one line, unless ``second`` is ``first``'s model trained on at ``img_size``: trained at that
     size with the same model and data, from a checkpoint in ``first``'s folder or, where that checkpoint no
@@ -57,8 +52,13 @@ def check_second_stage(first: FinishedRun, second: FinishedRun, img_size: int) -
                          f"{img_size}: not a second stage of {first.run_dir} at that size")
     start = second.config.initial_checkpoint
     recorded = first.config.run_dir
-    if start is None or not (_inside(start, first.run_dir) if Path(start).exists()
-                             else recorded is not None and _inside(start, recorded)):
+    if start is not None and Path(start).exists():
+        source = started_from(second.config)
+        from_first = source is not None and source.resolve() == first.run_dir.resolve()
+    else:  # a checkpoint gone since, in the folder first recorded as its run_dir
+        from_first = (start is not None and recorded is not None
+                      and Path(start).resolve().is_relative_to(Path(recorded).resolve()))
+    if not from_first:
         also = f" or the folder it recorded as its run_dir ({recorded})" if recorded else ""
         raise ValueError(f"--runs: {second.run_dir} starts from {start or 'no checkpoint'}, not from {first.run_dir}"
                          f"{also}; accepted: a run trained with --initial-checkpoint {first.run_dir}")

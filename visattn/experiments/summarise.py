@@ -12,17 +12,23 @@ from typing import Any
 
 from visattn.experiments.plan import Row, Run
 from visattn.predict import MODEL_FILE, read_model_file, recorded_data_config
-from visattn.train import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TrainConfig, make_config, read_yaml
+from visattn.train import (
+    CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRANSFER_METRICS_FILE, TrainConfig, make_config, read_yaml,
+)
 
 
 def read_run(run: Run) -> None:
     """Fill ``run.summary``, ``run.history`` and ``run.num_classes`` from its run directory (status "finished")."""
     run.summary = json.loads((run.run_dir / SUMMARY_FILE).read_text())
-    metrics = run.run_dir / METRICS_FILE
-    run.history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    run.history = read_records(run.run_dir / METRICS_FILE)
     has_model_file = (run.run_dir / MODEL_FILE).is_file()
     run.num_classes = read_model_file(run.run_dir)["kwargs"]["num_classes"] if has_model_file else None
     run.status = "finished"
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a run's metrics file (none where there is no such file)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def chance_threshold(num_classes: int, samples: int) -> float:
@@ -60,13 +66,25 @@ def run_epochs_at_chance(run: Run) -> int | None:
     return epochs_at_chance(first.history, first.num_classes)
 
 
+def epoch_time(record: dict[str, Any]) -> float:
+    """The seconds of one epoch record, a fine-tune's or an attention transfer's: its training plus the evaluation
+    that ends it (validation, or the transfer's held-out loss; ``eval_time_s``, where recorded). The measure of
+    every table's training seconds: start-up, data preparation and test evaluations are not counted."""
+    return record["train_time_s"] + record.get("eval_time_s", 0.0)
+
+
+def training_seconds(run_dir: Path) -> float:
+    """:func:`epoch_time` summed over the transfer and fine-tune epoch records of the run in ``run_dir``."""
+    return sum(epoch_time(record) for name in (TRANSFER_METRICS_FILE, METRICS_FILE)
+               for record in read_records(run_dir / name))
+
+
 def all_stages_seconds(run: Run) -> float | None:
-    """The wall time train.py recorded for ``run`` and each of its earlier stages, summed (None until each has
-    finished)."""
+    """:func:`training_seconds` of ``run`` and each of its earlier stages, summed (None until each has finished)."""
     stages = [*run.earlier, run]
     if any(stage.summary is None for stage in stages):
         return None
-    return sum(stage.summary["wall_time_s"] for stage in stages)
+    return sum(training_seconds(stage.run_dir) for stage in stages)
 
 
 @dataclass(frozen=True)
@@ -89,8 +107,8 @@ class RowResult:
 
 
 def epoch_seconds(history: list[dict[str, Any]]) -> float | None:
-    """Median seconds per epoch, training plus the evaluation that ends it (``eval_time_s``, where recorded)."""
-    times = [record["train_time_s"] + record.get("eval_time_s", 0.0) for record in history]
+    """Median seconds per epoch (:func:`epoch_time`)."""
+    times = [epoch_time(record) for record in history]
     return statistics.median(times) if times else None
 
 
@@ -141,6 +159,17 @@ class FinishedRun:
     def weights(self) -> str:
         """The weights its run reported: chosen on validation, or the last epoch's where there was none."""
         return "last" if self.summary.get("selected_on") == "test" else "best"
+
+
+def started_from(config: TrainConfig) -> Path | None:
+    """The run directory whose weights ``config`` starts from: the one its ``initial_checkpoint`` names, or the
+    nearest above the weights file it names (a run's best weights, a checkpoint's); None for fresh or published
+    weights, a file outside any run, or a path that does not exist (any more)."""
+    if config.initial_checkpoint is None:
+        return None
+    start = Path(config.initial_checkpoint)
+    folders = [start] if start.is_dir() else start.parents if start.is_file() else []
+    return next((folder for folder in folders if (folder / CONFIG_FILE).is_file()), None)
 
 
 def read_finished(row: str, seed: int, run_dir: Path) -> FinishedRun:

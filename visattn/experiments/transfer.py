@@ -42,18 +42,19 @@ too (``--transfer-projections`` of train.py): the runner says so in a line at th
 row's transfer stage and its note. ``--transfer-projections`` here does so for every row.
 
 From scratch (``--from-scratch-root ROOT``): an accuracy table's run root, ``ROOT/<row>/seed<k>`` finished runs of
-the same task at the same size, one row per ``--attn`` row (``--from-scratch-rows``, in order; by default the
-``--attn`` rows themselves): their reported test accuracy and their training over all their stages. Without it
+the same task and model at the same size, one row per ``--attn`` row (``--from-scratch-rows``, in order; by default
+the ``--attn`` rows themselves): their reported test accuracy and their training over all their stages. Without it
 the table leaves them out, and says so.
 
-A run of this config that finished is reused, a stopped one resumed, any other trained afresh (``--retrain``:
-every run), one line per run, as the accuracy runner does; a table of hours is so built over several
-invocations. Written after every run (``--output NAME.md``): the markdown table, a line per row and stage (the
-parent's first) with test accuracy (median [min-max] over the seeds that finished, and their count), each seed's
-accuracy minus its parent's in points, the training images and seconds since the parent's weights (medians),
-and how many runs finished; ``NAME.json``, the lines, every stage of every run and every run's per-epoch
-records; ``NAME.csv``, every stage of every run, parent and run from scratch. The note below the table names
-the command that wrote it.
+A run of this config that finished is reused, a stopped one resumed, any other trained afresh (``--retrain``: every
+run), one line per run, as the accuracy runner does; a table of hours is so built over several invocations. A parent
+is the same whichever way its path is spelled; a run that started before its parent last finished (the parent
+retrained in place since) is trained afresh. Written after every run (``--output NAME.md``): the markdown table, a
+line per row and stage (the parent's first) with test accuracy (median [min-max] over the seeds that finished, and
+their count), each seed's accuracy minus its parent's in points, the training images and seconds since the parent's
+weights (medians), and how many runs finished; ``NAME.json``, the lines, every stage of every run and every run's
+per-epoch records; ``NAME.csv``, every stage of every run, parent and run from scratch. The note below the table
+names the command that wrote it.
 """
 from __future__ import annotations
 
@@ -69,7 +70,9 @@ from visattn.experiments.plan import (
 )
 from visattn.experiments.report import command_line
 from visattn.experiments.summarise import FinishedRun, read_finished
-from visattn.experiments.transfer_table import PROJECTIONS, TransferTable, write_transfer
+from visattn.experiments.transfer_table import (
+    PROJECTIONS, TransferTable, UncountableRecords, lineage_cost, write_transfer,
+)
 from visattn.models import TIMM_ATTENTION, create_model
 from visattn.models.linearize import trainable_attention_parameters
 from visattn.predict import read_model_file
@@ -83,8 +86,10 @@ SET_BY_TABLE = (*TABLE_FLAGS, "--config", "--initial-checkpoint", "--epochs", "-
                 "--no-test-every-epoch", "--transfer-projections", "--no-transfer-projections")
 # The arm without transfer: a row's own flags, after the table's --transfer-epochs N.
 NO_TRANSFER = ("--transfer-epochs", "0")
-# What a run trained from scratch must share with the table's runs to be compared with them.
-SAME_TASK = ("dataset", "dataset_kwargs", "image_hw", "patch_size")
+# What a run trained from scratch must share with the table's runs to be compared with them: the task, the size
+# and the model but for its attention.
+SAME_TASK_AND_MODEL = ("dataset", "dataset_kwargs", "image_hw", "patch_size", "model", "stem", "embed_dim", "depth",
+                       "num_heads", "mlp_ratio", "global_pool", "class_token", "model_kwargs")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -231,7 +236,7 @@ def transfer_rows(args: argparse.Namespace, train_args: list[str], parents: dict
 def read_from_scratch(root: Path, rows: list[Row], seeds: list[int], runs_config: TrainConfig
                       ) -> dict[tuple[str, int], FinishedRun]:
     """The finished runs of ``rows`` and ``seeds`` under ``root``; ValueError (one line) for a root that does not
-    exist or a run of another task or size than the table's runs."""
+    exist or a run of another task, size or model than the table's runs."""
     if not root.is_dir():
         raise ValueError(f"--from-scratch-root: {root} does not exist; accepted: an accuracy table's run root")
     found = {}
@@ -245,10 +250,10 @@ def read_from_scratch(root: Path, rows: list[Row], seeds: list[int], runs_config
             except (ValueError, OSError) as error:
                 raise ValueError(f"--from-scratch-root: {error}") from None
             differ = [f"{key} {getattr(run.config, key)!r} (the table's runs: {getattr(runs_config, key)!r})"
-                      for key in SAME_TASK if getattr(run.config, key) != getattr(runs_config, key)]
+                      for key in SAME_TASK_AND_MODEL if getattr(run.config, key) != getattr(runs_config, key)]
             if differ:
                 raise ValueError(f"--from-scratch-root: {run_dir} differs in {', '.join(differ)}; accepted: runs of "
-                                 "the same task at the same size")
+                                 "the same task and model (but for its attention) at the same size")
             found[(row.text, seed)] = run
     return found
 
@@ -270,6 +275,8 @@ def plan_table(args: argparse.Namespace, train_args: list[str]) -> tuple[Transfe
     if args.from_scratch_root is not None:
         from_scratch = read_from_scratch(args.from_scratch_root, args.scratch_rows, args.seeds,
                                          expected_config(transfer_runs[0].argv))
+    for finished in (*parents.values(), *from_scratch.values()):
+        lineage_cost(finished.run_dir)  # a record the table cannot count stops it now, not after the first run
     table = TransferTable(rows, transfer_runs, no_transfer_runs, parents, args.transfer_epochs, args.finetune_epochs,
                           args.from_scratch_root, args.scratch_rows, from_scratch)
     return table, runs
@@ -291,8 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{row.text}: adds no parameters to the parent's qkv, proj and norms: its transfer trains those "
                       "(--transfer-projections)", flush=True)
     output = Path(args.output)
-    run_grid(runs, args.retrain, lambda: write_transfer(output, table, command))
-    print(write_transfer(output, table, command))
+    try:
+        run_grid(runs, args.retrain, lambda: write_transfer(output, table, command))
+        print(write_transfer(output, table, command))
+    except UncountableRecords as error:  # a run's own transfer records, older than their train_images
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0 if all(run.status == "finished" for run in runs) else 1
 
 

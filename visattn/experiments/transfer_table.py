@@ -12,7 +12,7 @@ from typing import Any
 
 from visattn.experiments.plan import Row, Run, expected_config
 from visattn.experiments.report import median_range
-from visattn.experiments.summarise import FinishedRun, median_of_known
+from visattn.experiments.summarise import FinishedRun, epoch_time, median_of_known, read_records, started_from
 from visattn.train import CONFIG_FILE, METRICS_FILE, TRANSFER_METRICS_FILE, TrainConfig, make_config, read_yaml
 
 CONVERTED = "converted"
@@ -29,16 +29,19 @@ def epochs_words(count: int) -> str:
     return f"{count} epoch{'s' if count != 1 else ''}"
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of a run's metrics file (none where there is no such file)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+class UncountableRecords(ValueError):
+    """A run's epoch records without the images they trained on (one line naming the file)."""
 
 
-def training_cost(records: list[dict[str, Any]]) -> tuple[int, float]:
-    """(images trained on, seconds) of epoch records: their training images, and their training plus the
-    evaluation that ends each (validation, or the transfer's held-out MSE); test evaluations are not counted."""
-    return (sum(record["train_images"] for record in records),
-            sum(record["train_time_s"] + record["eval_time_s"] for record in records))
+def training_cost(records: list[dict[str, Any]], source: Path) -> tuple[int, float]:
+    """(images trained on, seconds: :func:`~visattn.experiments.summarise.epoch_time`) of the epoch records read
+    from ``source``; :class:`UncountableRecords` for a record without its images: a transfer epoch's written before
+    train.py counted them."""
+    missing = next((number for number, record in enumerate(records, start=1) if "train_images" not in record), None)
+    if missing is not None:
+        raise UncountableRecords(f"{source}: record {missing} has no train_images (written before train.py counted "
+                                 f"them); accepted: the records of a run trained since: train {source.parent} again")
+    return sum(record["train_images"] for record in records), sum(map(epoch_time, records))
 
 
 @dataclass(frozen=True)
@@ -56,33 +59,31 @@ def run_points(run: Run, finetune_epochs: list[int]) -> list[Point]:
     """The stages of a finished run of the table: converted, transferred (a run with a transfer stage), and
     the end of each epoch of ``finetune_epochs``, from its summary and per-epoch records."""
     transfer = read_records(run.run_dir / TRANSFER_METRICS_FILE)
-    images, seconds = training_cost(transfer)
+    images, seconds = training_cost(transfer, run.run_dir / TRANSFER_METRICS_FILE)
     points = [Point(CONVERTED, run.summary.get("initial_test_acc"), 0, 0.0)]
     if transfer:
         points.append(Point(TRANSFER, run.summary.get("transfer_test_acc"), images, seconds))
     for epoch in finetune_epochs:
-        more_images, more_seconds = training_cost(run.history[:epoch])
+        more_images, more_seconds = training_cost(run.history[:epoch], run.run_dir / METRICS_FILE)
         acc = run.history[epoch - 1].get("test_acc") if len(run.history) >= epoch else None
         points.append(Point(epoch_stage(epoch), acc, images + more_images, seconds + more_seconds))
     return points
 
 
 def lineage(run_dir: Path) -> list[Path]:
-    """``run_dir`` and the runs it started from (an ``initial_checkpoint`` naming a run directory: a
-    curriculum's earlier stages), first to last."""
+    """``run_dir`` and the runs whose weights it started from (:func:`~visattn.experiments.summarise.started_from`:
+    a curriculum's earlier stages), first to last."""
     runs = [run_dir]
     while True:
-        start = make_config(read_yaml(runs[0] / CONFIG_FILE)).initial_checkpoint
-        if start is None or not (Path(start) / CONFIG_FILE).is_file() or Path(start).resolve() in {
-            run.resolve() for run in runs
-        }:
+        start = started_from(make_config(read_yaml(runs[0] / CONFIG_FILE)))
+        if start is None or start.resolve() in {run.resolve() for run in runs}:
             return runs
-        runs.insert(0, Path(start))
+        runs.insert(0, start)
 
 
 def lineage_cost(run_dir: Path) -> tuple[int, float]:
     """(images, seconds) of :func:`training_cost` over a finished run and the runs it started from."""
-    costs = [training_cost(read_records(run / name)) for run in lineage(run_dir)
+    costs = [training_cost(read_records(run / name), run / name) for run in lineage(run_dir)
              for name in (TRANSFER_METRICS_FILE, METRICS_FILE)]
     return sum(images for images, _ in costs), sum(seconds for _, seconds in costs)
 
@@ -249,8 +250,8 @@ def note(table: TransferTable, command: str) -> str:
         "Training images and seconds (medians over the seeds): since the parent's weights, cumulative over the "
         "stages (a transfer image passes through the parent and the converted layers); of the parents and the runs "
         "from scratch, all their stages (the runs they started from included). From the runs' records: training "
-        "plus the validation (or the transfer's held-out loss) at the end of each epoch; start-up, data and test "
-        "evaluations not counted.",
+        "plus the validation (or the transfer's held-out loss) at the end of each epoch; start-up, data preparation "
+        "and test evaluations not counted (the accuracy tables' seconds of all stages count the same).",
         "Transfer trains the parameters each type adds to the parent's qkv, proj and norms; a transfer stage marked "
         "\"qkv, proj and norms too\" trains those as well (--transfer-projections: a type that adds none, or every "
         "row where the command asks for it).",
