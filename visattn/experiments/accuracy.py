@@ -57,9 +57,8 @@ dataset included), each the median over seeds and, with a curriculum, of the las
 over the ``timm`` row (ratio of images/s); and whether the row ran at the recipe's token count (no: out of
 memory, or failed, with its log). With ``--variants``: these files for each variant as ``NAME-<variant>.md``
 (and .png, .json, .csv), and ``NAME.md`` (with ``NAME.json``), one row per variant and row: its group, test
-accuracy, seconds for all stages together (training plus validation, as the seconds per epoch, summed over every
-stage's epochs; median over the seeds), and epochs at chance. Each table names the command that wrote it (the
-summary above its rows, the others in the note below them).
+accuracy, seconds for all stages together (median over the seeds), and epochs at chance. Each table names the
+command that wrote it (the summary above its rows, the others in the note below them).
 """
 from __future__ import annotations
 

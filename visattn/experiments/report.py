@@ -196,8 +196,7 @@ def variants_markdown(per_variant: list[tuple[Variant, list[RowResult]]], output
     note = (
         "Recipe decisions are made on the tuning variants and reported on the held-out ones, which are not changed "
         "once a result on them has been seen (visattn/experiments/variants.py). Test accuracy of the weights chosen on validation; seconds: "
-        "training plus the validation that ends each epoch, from the runs' records (start-up, data preparation and "
-        "test evaluations not counted), summed over the epochs of every stage, median over the seeds; "
+        "the wall time train.py recorded for each stage, summed over the stages, median over the seeds; "
         f"{CHANCE_NOTE}. "
         f"Each variant's own table, with speed and memory: {tables}."
     )

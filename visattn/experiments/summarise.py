@@ -12,9 +12,7 @@ from typing import Any
 
 from visattn.experiments.plan import Row, Run
 from visattn.predict import MODEL_FILE, read_model_file, recorded_data_config
-from visattn.train import (
-    CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRANSFER_METRICS_FILE, TrainConfig, make_config, read_yaml,
-)
+from visattn.train import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TrainConfig, make_config, read_yaml
 
 
 def read_run(run: Run) -> None:
@@ -68,23 +66,19 @@ def run_epochs_at_chance(run: Run) -> int | None:
 
 def epoch_time(record: dict[str, Any]) -> float:
     """The seconds of one epoch record, a fine-tune's or an attention transfer's: its training plus the evaluation
-    that ends it (validation, or the transfer's held-out loss; ``eval_time_s``, where recorded). The measure of
-    every table's training seconds: start-up, data preparation and test evaluations are not counted."""
+    that ends it (validation, or the transfer's held-out loss; ``eval_time_s``, where recorded): start-up, data
+    preparation and test evaluations are not counted. The accuracy table's seconds per epoch and the transfer
+    table's costs; the accuracy table's seconds of all stages are wall time (:func:`all_stages_seconds`)."""
     return record["train_time_s"] + record.get("eval_time_s", 0.0)
 
 
-def training_seconds(run_dir: Path) -> float:
-    """:func:`epoch_time` summed over the transfer and fine-tune epoch records of the run in ``run_dir``."""
-    return sum(epoch_time(record) for name in (TRANSFER_METRICS_FILE, METRICS_FILE)
-               for record in read_records(run_dir / name))
-
-
 def all_stages_seconds(run: Run) -> float | None:
-    """:func:`training_seconds` of ``run`` and each of its earlier stages, summed (None until each has finished)."""
+    """The wall time train.py recorded for ``run`` and each of its earlier stages, summed (None until each has
+    finished): what a user waits for the run, start-up and data preparation included."""
     stages = [*run.earlier, run]
     if any(stage.summary is None for stage in stages):
         return None
-    return sum(training_seconds(stage.run_dir) for stage in stages)
+    return sum(stage.summary["wall_time_s"] for stage in stages)
 
 
 @dataclass(frozen=True)

@@ -251,7 +251,8 @@ def note(table: TransferTable, command: str) -> str:
         "stages (a transfer image passes through the parent and the converted layers); of the parents and the runs "
         "from scratch, all their stages (the runs they started from included). From the runs' records: training "
         "plus the validation (or the transfer's held-out loss) at the end of each epoch; start-up, data preparation "
-        "and test evaluations not counted (the accuracy tables' seconds of all stages count the same).",
+        "and test evaluations not counted (the accuracy tables' seconds of all stages are each stage's wall time, "
+        "these included).",
         "Transfer trains the parameters each type adds to the parent's qkv, proj and norms; a transfer stage marked "
         "\"qkv, proj and norms too\" trains those as well (--transfer-projections: a type that adds none, or every "
         "row where the command asks for it).",
