@@ -208,6 +208,30 @@ def test_finished_runs_of_the_same_config_are_reused_not_retrained(tmp_path, mon
     assert "| floor | 52.00% [51.00–53.00] (2) |" in text
 
 
+def test_tables_only_writes_the_finished_runs_and_trains_none(tmp_path, monkeypatch, capsys):
+    _, _, runs = planned(tmp_path)
+    timm0, floor0, timm1, floor1 = runs  # seed by seed
+    finish(timm0, 0.5)
+    finish(floor0, 0.6)
+    finish(timm1, 0.7)
+    (floor0.run_dir / "summary.json").unlink()  # stopped, or still training in another invocation
+    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
+            "--output", str(tmp_path / "table.md"), "--tables-only", "--", *TINY]
+    assert accuracy.main(argv) == 1  # not every run finished
+    assert "4 runs: 2 finished, 2 not (--tables-only: none trained)" in capsys.readouterr().out
+    text = (tmp_path / "table.md").read_text()
+    assert "| timm | 60.00% [50.00–70.00] (2) |" in text and "| floor | — | — | — | — | — | — | not run yet |" in text
+    assert "--tables-only" not in text and "--attn timm floor --seeds 0 1" in text  # the command that trains it
+    assert not floor1.run_dir.exists()
+
+
+def test_tables_only_refuses_retrain(capsys):
+    with pytest.raises(SystemExit):
+        accuracy.parse_args(["--tables-only", "--retrain", "--", *TINY])
+    assert "--tables-only trains no run: leave out --retrain" in capsys.readouterr().err
+
+
 def test_a_changed_config_is_retrained_and_a_stopped_run_resumed(tmp_path):
     _, _, runs = planned(tmp_path)
     timm0, floor0, timm1, floor1 = runs  # seed by seed

@@ -103,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="the markdown table; .png, .json, .csv beside it (with --variants: the summary table, "
                              "each variant's table as NAME-<variant>.md beside it)")
     parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
+    parser.add_argument("--tables-only", action="store_true",
+                        help="write the tables from the runs that finished, training none (others read \"not run\")")
     parser.add_argument(
         "--stage", action="append", default=[], metavar="FLAGS", dest="stages",
         help="a curriculum: an earlier stage, train.py flags in one quoted word laid over the recipe and the words "
@@ -120,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         word = pending.pop(0)
         own.append(f"--stage={pending.pop(0)}" if word == "--stage" and pending else word)
     args = parser.parse_args(own)
+    if args.tables_only and args.retrain:
+        parser.error("--tables-only trains no run: leave out --retrain, or --tables-only to train")
     try:
         args.rows = parse_rows(args.attn or [TIMM_ATTENTION, *visattn.list_attentions()])
     except ValueError as error:
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = command_line("visattn.experiments.accuracy", sys.argv[1:] if argv is None else argv)
     output = Path(args.output)
-    run_grid(runs, args.retrain, lambda: write_tables(output, args.rows, args.variants, runs, command))
+    run_grid(runs, args.retrain, lambda: write_tables(output, args.rows, args.variants, runs, command), train=not args.tables_only)
     print(write_tables(output, args.rows, args.variants, runs, command))
     return 0 if all(run.status == "finished" for run in runs) else 1
 

@@ -95,12 +95,22 @@ def execute(run: Run) -> None:
         run.status = failure(result.returncode, run.log.read_text(errors="replace"))
 
 
-def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object]) -> None:
+def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object], train: bool = True) -> None:
     """Reuse, resume or train every run of ``runs`` and its earlier stages (:func:`choose_action`; a stage
     whose previous one trains in this invocation trains afresh too), one after the other, with a line each
     as it starts and ends and the time the runs left should take; ``write_tables()`` after each, so that the
-    tables so far stand should the invocation stop."""
+    tables so far stand should the invocation stop. Without ``train``: the tables of the runs that finished
+    before, the others left as they are ("not run")."""
     every_run = all_runs(runs)
+    if not train:
+        for run in every_run:
+            if choose_action(run, retrain=False)[0] == "reuse":
+                read_run(run)
+        finished = sum(run.status == "finished" for run in every_run)
+        print(f"{len(every_run)} runs: {finished} finished, {len(every_run) - finished} not (--tables-only: none "
+              "trained)", flush=True)
+        write_tables()
+        return
     for run in every_run:
         run.action, why = choose_action(run, retrain)
         if run.previous is not None and run.previous.action != "reuse" and run.action != "train":

@@ -20,8 +20,9 @@ from visattn.train import TrainConfig
 
 
 def command_line(module: str, argv: list[str]) -> str:
-    """The command that wrote a table, as a shell reads it."""
-    return shlex.join(["python", "-m", module, *argv])
+    """The command that trains a table's runs and writes it, as a shell reads it (``--tables-only``, which only
+    writes it from runs trained before, left out)."""
+    return shlex.join(["python", "-m", module, *(word for word in argv if word != "--tables-only")])
 
 
 def median_range(values: list[float]) -> str:

@@ -120,7 +120,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="<run-root>/transfer/<row>/seed<k> and <run-root>/no-transfer/<row>/seed<k> hold the runs")
     parser.add_argument("--output", default="transfer_table.md", help="the markdown table; .json, .csv beside it")
     parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
+    parser.add_argument("--tables-only", action="store_true",
+                        help="write the tables from the runs that finished, training none (others read \"not run\")")
     args = parser.parse_args(own)
+    if args.tables_only and args.retrain:
+        parser.error("--tables-only trains no run: leave out --retrain, or --tables-only to train")
     try:
         args.rows = parse_rows(args.attn)
     except ValueError as error:
@@ -299,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                       "(--transfer-projections)", flush=True)
     output = Path(args.output)
     try:
-        run_grid(runs, args.retrain, lambda: write_transfer(output, table, command))
+        run_grid(runs, args.retrain, lambda: write_transfer(output, table, command), train=not args.tables_only)
         print(write_transfer(output, table, command))
     except UncountableRecords as error:  # a run's own transfer records, older than their train_images
         print(f"error: {error}", file=sys.stderr)
