@@ -69,7 +69,7 @@ from pathlib import Path
 import visattn
 from visattn.experiments.execute import run_grid
 from visattn.experiments.plan import (
-    REPO, TABLE_FLAGS, Grid, Row, Run, expected_config, flag_names, parse_rows, plan, stage_words,
+    REPO, TABLE_FLAGS, Grid, Row, Run, expected_config, flag_names, parse_rows, plan, split_at_separator, stage_words,
     train_flags_problem,
 )
 from visattn.experiments.report import command_line, variant_output, write_accuracy, write_variants
@@ -80,9 +80,7 @@ from visattn.train import ConfigError
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    own, train_args = split_at_separator(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(
         prog="python -m visattn.experiments.accuracy", description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,

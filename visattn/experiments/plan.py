@@ -44,6 +44,14 @@ class Row:
         return re.sub(r"[^\w.=-]+", "+", self.text)
 
 
+def split_at_separator(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(a runner's own words, the train.py words after ``--``) of its command line."""
+    if "--" not in argv:
+        return list(argv), []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
 def parse_rows(words: list[str]) -> list[Row]:
     """The rows of ``--attn`` words; ValueError naming the bad word and what is accepted."""
     valid = [TIMM_ATTENTION, *visattn.list_attentions()]

@@ -66,7 +66,8 @@ from pathlib import Path
 import visattn
 from visattn.experiments.execute import config_differences, run_grid
 from visattn.experiments.plan import (
-    TABLE_FLAGS, Grid, Row, Run, expected_config, flag_names, parse_rows, plan, run_folder, train_flags_problem,
+    TABLE_FLAGS, Grid, Row, Run, expected_config, flag_names, parse_rows, plan, run_folder, split_at_separator,
+    train_flags_problem,
 )
 from visattn.experiments.report import command_line
 from visattn.experiments.summarise import FinishedRun, read_finished
@@ -93,9 +94,7 @@ SAME_TASK_AND_MODEL = ("dataset", "dataset_kwargs", "image_hw", "patch_size", "m
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    own, train_args = split_at_separator(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(
         prog="python -m visattn.experiments.transfer", description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
