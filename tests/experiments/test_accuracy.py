@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -453,6 +454,45 @@ def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tm
         ("floor", "0", "2", "failed"), ("timm", "1", "1", "finished"), ("timm", "1", "2", "finished"),
         ("floor", "1", "1", "failed"), ("floor", "1", "2", "failed"),
     ]
+
+
+def test_jobs_trains_runs_side_by_side_each_stage_after_the_one_before(tmp_path, monkeypatch, capsys):
+    _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2")
+    lock, running, ended, most = threading.Lock(), set(), set(), [0]
+    first_two = threading.Barrier(2, timeout=10)  # broken, and the test failed, unless both run at once
+
+    def fake_train(command, **kwargs):
+        run_dir = Path(command[command.index("--run-dir") + 1])
+        run = next(run for run in plan.all_runs(runs) if run.run_dir == run_dir)
+        with lock:
+            assert all(stage.run_dir in ended for stage in run.earlier), f"{run_dir} started before its first stage"
+            running.add(run_dir)
+            most[0] = max(most[0], len(running))
+        if run.seed == 0 and run.stage == 1:
+            first_two.wait()  # timm's and floor's first stages of seed 0: the first two runs, started together
+        finish(run, 0.25 if run.row.attn == "timm" else 0.75)
+        with lock:
+            running.remove(run_dir)
+            ended.add(run_dir)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(execute.subprocess, "run", fake_train)
+    argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"), "--jobs", "2",
+            "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
+    assert accuracy.main(argv) == 0
+    assert ended == {run.run_dir for run in plan.all_runs(runs)}
+    assert most[0] == 2
+    out = capsys.readouterr().out
+    assert "8 runs: 0 finished before, 8 to train (0 resumed), 2 at a time" in out
+    text = (tmp_path / "table.md").read_text()
+    assert "| timm | 25.00% [25.00–25.00] (2) |" in text and "| floor | 75.00% [75.00–75.00] (2) |" in text
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1"])
+def test_jobs_below_one_is_refused(jobs, capsys):
+    with pytest.raises(SystemExit):
+        accuracy.parse_args(["--attn", "timm", "--jobs", jobs])
+    assert f"--jobs: at least 1 process at a time, got {jobs}" in capsys.readouterr().err
 
 
 def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, monkeypatch, capsys):

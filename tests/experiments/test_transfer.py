@@ -216,6 +216,7 @@ def test_runs_started_before_their_parent_was_retrained_in_place_are_trained_afr
         (["--parent", "p", "--", "--no-test-every-epoch"], "after --: --no-test-every-epoch set by the table"),
         (["--parent", "p", "--", "--lr-x", "3"], "after --: not train.py flags: --lr-x 3"),
         (["--parent", "p", "--output", "table.txt"], "--output: a markdown file name ending in .md, got 'table.txt'"),
+        (["--parent", "p", "--jobs", "0"], "--jobs: at least 1 process at a time, got 0"),
     ],
 )
 def test_bad_flags_are_refused_in_one_line(argv, message, capsys):

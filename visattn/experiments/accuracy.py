@@ -23,7 +23,8 @@ default ``timm`` and then every type. A row with options is ``TYPE:KEY=VALUE[,KE
 laid over the recipe's ``attn_kwargs``; a word without ``:`` may name several rows, comma-separated.
 
 Each (row, seed) is trained by its own ``train.py`` process into ``<run-root>/<row>/seed<k>`` (its output in
-``seed<k>.log`` beside it), one after the other: every row with the first seed, then every row with the next.
+``seed<k>.log`` beside it), one after the other: every row with the first seed, then every row with the next
+(``--jobs N``: N at a time in that order, each stage once the one before it has ended).
 A curriculum (``--stage FLAGS``, once per earlier stage) trains each run in several ``train.py`` processes:
 stage i with the recipe, the words after ``--`` and then the i-th ``--stage``'s train.py flags (one word, quoted:
 ``"--img-size 64 --epochs 4"``; a flag there replaces the same flag's value, ``--dataset-kwargs`` all of its
@@ -103,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
     parser.add_argument("--tables-only", action="store_true",
                         help="write the tables from the runs that finished, training none (others read \"not run\")")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="train.py processes at a time, each a run whose earlier stages have ended (default: 1); "
+                             "on a GPU, several small runs share it")
     parser.add_argument(
         "--stage", action="append", default=[], metavar="FLAGS", dest="stages",
         help="a curriculum: an earlier stage, train.py flags in one quoted word laid over the recipe and the words "
@@ -122,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     args = parser.parse_args(own)
     if args.tables_only and args.retrain:
         parser.error("--tables-only trains no run: leave out --retrain, or --tables-only to train")
+    if args.jobs < 1:
+        parser.error(f"--jobs: at least 1 process at a time, got {args.jobs}")
     try:
         args.rows = parse_rows(args.attn or [TIMM_ATTENTION, *visattn.list_attentions()])
     except ValueError as error:
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = command_line("visattn.experiments.accuracy", sys.argv[1:] if argv is None else argv)
     output = Path(args.output)
-    run_grid(runs, args.retrain, lambda: write_tables(output, args.rows, args.variants, runs, command), train=not args.tables_only)
+    run_grid(runs, args.retrain, lambda: write_tables(output, args.rows, args.variants, runs, command),
+             train=not args.tables_only, jobs=args.jobs)
     print(write_tables(output, args.rows, args.variants, runs, command))
     return 0 if all(run.status == "finished" for run in runs) else 1
 

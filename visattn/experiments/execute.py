@@ -1,5 +1,5 @@
-"""Each run of a grid reused, resumed or trained afresh, in its own ``train.py`` process, one after the other
-with a line each; the time the runs left should take."""
+"""Each run of a grid reused, resumed or trained afresh, in its own ``train.py`` process, one or several at a
+time, with a line each; the time the runs left should take."""
 from __future__ import annotations
 
 import re
@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from visattn.experiments.plan import REPO, Row, Run, all_runs, expected_config, run_name
@@ -95,12 +96,14 @@ def execute(run: Run) -> None:
         run.status = failure(result.returncode, run.log.read_text(errors="replace"))
 
 
-def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object], train: bool = True) -> None:
+def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object], train: bool = True,
+             jobs: int = 1) -> None:
     """Reuse, resume or train every run of ``runs`` and its earlier stages (:func:`choose_action`; a stage
-    whose previous one trains in this invocation trains afresh too), one after the other, with a line each
-    as it starts and ends and the time the runs left should take; ``write_tables()`` after each, so that the
-    tables so far stand should the invocation stop. Without ``train``: the tables of the runs that finished
-    before, the others left as they are ("not run")."""
+    whose previous one trains in this invocation trains afresh too), ``jobs`` at a time in the order of the
+    grid (a stage starts once the one before it has ended), with a line each as it starts and ends and the time
+    the runs left should take; ``write_tables()`` after each, so that the tables so far stand should the
+    invocation stop. Without ``train``: the tables of the runs that finished before, the others left as they
+    are ("not run")."""
     every_run = all_runs(runs)
     if not train:
         for run in every_run:
@@ -120,31 +123,54 @@ def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object],
         elif run.action == "train" and why != "new":
             print(f"{run_name(run)}: trained afresh: {why}", flush=True)
     todo = [run for run in every_run if run.action != "reuse"]
+    at_a_time = f", {jobs} at a time" if jobs > 1 else ""
     print(f"{len(every_run)} runs: {len(every_run) - len(todo)} finished before, {len(todo)} to train "
-          f"({sum(run.action == 'resume' for run in todo)} resumed)", flush=True)
-    for number, run in enumerate(todo, start=1):
-        if run.cause is not run:
-            run.status = run.cause.status
-            outcome = "ran out of memory" if run.cause.status == "out of memory" else run.cause.status
-            print(f"[{number}/{len(todo)}] {run_name(run)}: not started, its stage {run.cause.stage} {outcome}", flush=True)
-            write_tables()
-            continue
-        eta = eta_seconds(every_run)
-        remaining = f"; all {len(todo) - number + 1} left: about {duration(eta)}" if eta is not None else ""
-        verb = "resumed" if run.action == "resume" else "started"
-        print(f"[{number}/{len(todo)}] {run_name(run)}: {verb}{remaining}", flush=True)
-        execute(run)
-        outcome = f"{100 * run.summary['test_acc']:.2f}%" if run.status == "finished" else f"{run.status}, see {run.log}"
-        eta = eta_seconds(every_run)
-        left = f"; {len(todo) - number} left: about {duration(eta)}" if number < len(todo) and eta is not None else ""
-        print(f"[{number}/{len(todo)}] {run_name(run)}: {outcome} in {duration(run.seconds)}{left}", flush=True)
-        write_tables()
+          f"({sum(run.action == 'resume' for run in todo)} resumed){at_a_time}", flush=True)
+    number = {id(run): count for count, run in enumerate(todo, start=1)}
+    pending, running = list(todo), {}
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        while pending or running:
+            for run in [run for run in pending if stages_before_ended(run)]:
+                if len(running) == jobs:
+                    break
+                pending.remove(run)
+                tag = f"[{number[id(run)]}/{len(todo)}] {run_name(run)}"
+                if run.cause is not run:
+                    run.status = run.cause.status
+                    outcome = "ran out of memory" if run.cause.status == "out of memory" else run.cause.status
+                    print(f"{tag}: not started, its stage {run.cause.stage} {outcome}", flush=True)
+                    write_tables()
+                    continue
+                eta = eta_seconds(every_run, jobs)
+                left = len(pending) + len(running) + 1
+                remaining = f"; all {left} left: about {duration(eta)}" if eta is not None else ""
+                verb = "resumed" if run.action == "resume" else "started"
+                print(f"{tag}: {verb}{remaining}", flush=True)
+                running[pool.submit(execute, run)] = run
+            if not running:
+                continue
+            ended, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in ended:
+                run = running.pop(future)
+                future.result()
+                outcome = (f"{100 * run.summary['test_acc']:.2f}%" if run.status == "finished"
+                           else f"{run.status}, see {run.log}")
+                eta, left = eta_seconds(every_run, jobs), len(pending) + len(running)
+                after = f"; {left} left: about {duration(eta)}" if left and eta is not None else ""
+                print(f"[{number[id(run)]}/{len(todo)}] {run_name(run)}: {outcome} in {duration(run.seconds)}{after}",
+                      flush=True)
+                write_tables()
 
 
-def eta_seconds(runs: list[Run]) -> float | None:
-    """Time the runs still to train should take: each at its row's mean time (of the same stage and variant of
-    the data) in this invocation so far, or else the mean over all rows of its stage, or else over all runs
-    (None before any run is timed)."""
+def stages_before_ended(run: Run) -> bool:
+    """Whether every earlier stage of ``run`` has finished or failed (or will not start): it can start."""
+    return all(stage.status != "not run" for stage in run.earlier)
+
+
+def eta_seconds(runs: list[Run], jobs: int = 1) -> float | None:
+    """Time the runs still to train should take, ``jobs`` at a time: each at its row's mean time (of the same
+    stage and variant of the data) in this invocation so far, or else the mean over all rows of its stage, or
+    else over all runs, their sum divided by ``jobs`` (None before any run is timed)."""
     timed = [run for run in runs if run.seconds is not None]
     if not timed:
         return None
@@ -162,7 +188,7 @@ def eta_seconds(runs: list[Run]) -> float | None:
     return sum(
         statistics.fmean(per_row.get((run.variant, run.row, run.stage)) or per_stage.get(run.stage) or overall)
         for run in pending
-    )
+    ) / jobs
 
 
 def duration(seconds: float) -> str:

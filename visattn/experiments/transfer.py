@@ -121,9 +121,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
     parser.add_argument("--tables-only", action="store_true",
                         help="write the tables from the runs that finished, training none (others read \"not run\")")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="train.py processes at a time, each a run whose earlier stages have ended (default: 1); "
+                             "on a GPU, several small runs share it")
     args = parser.parse_args(own)
     if args.tables_only and args.retrain:
         parser.error("--tables-only trains no run: leave out --retrain, or --tables-only to train")
+    if args.jobs < 1:
+        parser.error(f"--jobs: at least 1 process at a time, got {args.jobs}")
     try:
         args.rows = parse_rows(args.attn)
     except ValueError as error:
@@ -302,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                       "(--transfer-projections)", flush=True)
     output = Path(args.output)
     try:
-        run_grid(runs, args.retrain, lambda: write_transfer(output, table, command), train=not args.tables_only)
+        run_grid(runs, args.retrain, lambda: write_transfer(output, table, command), train=not args.tables_only,
+                 jobs=args.jobs)
         print(write_transfer(output, table, command))
     except UncountableRecords as error:  # a run's own transfer records, older than their train_images
         print(f"error: {error}", file=sys.stderr)
