@@ -31,7 +31,7 @@ for seed in "${SEEDS[@]}"; do PARENTS+=("$TYPES/softmax/seed$seed"); PARENTS_STA
 EXTRA=("$@")
 mkdir -p "$TABLES"
 wanted() { [[ " $ONLY " == *" $1 "* ]]; }
-within_limit() {  # the command, stopped at the limit (the whole process group: train.py processes too)
+within_limit() {  # the command (not a function), stopped at the limit (its process group: train.py processes too)
   if [ "$LIMIT" -gt 0 ]; then
     local left=$((LIMIT - SECONDS))
     [ "$left" -gt 0 ] || return 124
@@ -40,25 +40,27 @@ within_limit() {  # the command, stopped at the limit (the whole process group: 
     "$@"
   fi
 }
-# Train (or, with --tables-only, tabulate) each table: the runner's command, its own words then --, EXTRA.
+# Train (or, with --tables-only, tabulate) each table: the runner's command, its own words then --, EXTRA; while
+# training, within the limit.
+limited=within_limit
 types() {
-  $PY -m visattn.experiments.accuracy --config $CONFIG --stage "$STAGE" --seeds "${SEEDS[@]}" --run-root "$TYPES" \
+  $limited $PY -m visattn.experiments.accuracy --config $CONFIG --stage "$STAGE" --seeds "${SEEDS[@]}" --run-root "$TYPES" \
     --attn "$@" -- "${EXTRA[@]}"
 }
 transfer() {
-  $PY -m visattn.experiments.transfer --parent "${PARENTS[@]}" --seeds "${SEEDS[@]}" --from-scratch-root "$TYPES" \
+  $limited $PY -m visattn.experiments.transfer --parent "${PARENTS[@]}" --seeds "${SEEDS[@]}" --from-scratch-root "$TYPES" \
     --from-scratch-rows linear:dwconv_kernel=null linear axial neighborhood sparse --run-root "$RUNS/transfer-maxpool" \
     --output "$TABLES/transfer-maxpool.md" "$@" -- "${EXTRA[@]}"
 }
 resolution() {
-  $PY -m visattn.experiments.transfer --parent "${PARENTS_STAGE1[@]}" --seeds "${SEEDS[@]}" \
+  $limited $PY -m visattn.experiments.transfer --parent "${PARENTS_STAGE1[@]}" --seeds "${SEEDS[@]}" \
     --attn softmax linear:feature_map=learned,dwconv_kernel=null linear:feature_map=learned axial neighborhood sparse \
     --from-scratch-root "$TYPES" --from-scratch-rows softmax linear:dwconv_kernel=null linear axial neighborhood sparse \
     --run-root "$RUNS/transfer-maxpool-64-to-128" --output "$TABLES/transfer-maxpool-64-to-128.md" "$@" \
     -- --img-size 128 "${EXTRA[@]}"
 }
 axial() {
-  $PY -m visattn.experiments.accuracy --config $CONFIG --stage "--img-size 64 --epochs $FIRST_EPOCHS_AXIAL" \
+  $limited $PY -m visattn.experiments.accuracy --config $CONFIG --stage "--img-size 64 --epochs $FIRST_EPOCHS_AXIAL" \
     --run-root "$RUNS/table-maxpool-axial$FIRST_EPOCHS_AXIAL" --attn axial --variants tuning held-out --seeds "${SEEDS[@]}" \
     --output "$TABLES/cluttered-digits-maxpool-axial$FIRST_EPOCHS_AXIAL.md" "$@" -- "${EXTRA[@]}"
 }
@@ -79,17 +81,18 @@ EOF
 {
   # The parents first: the transfer tables start from them.
   if wanted types || wanted transfer || wanted resolution; then
-    within_limit types softmax --output "$TABLES/.parents.md" --jobs "${#SEEDS[@]}"
+    types softmax --output "$TABLES/.parents.md" --jobs "${#SEEDS[@]}"
   fi
-  wanted transfer && within_limit transfer --jobs "$JOBS" &
-  wanted resolution && within_limit resolution --jobs "$JOBS" &
+  wanted transfer && transfer --jobs "$JOBS" &
+  wanted resolution && resolution --jobs "$JOBS" &
   wait
 } &
-wanted types && within_limit types "${ALL_TYPES[@]:1}" --output "$TABLES/.types.md" --jobs "$JOBS" &
-wanted axial && within_limit axial --jobs "$JOBS" &
+wanted types && types "${ALL_TYPES[@]:1}" --output "$TABLES/.types.md" --jobs "$JOBS" &
+wanted axial && axial --jobs "$JOBS" &
 wait
 rm -f "$TABLES"/.parents.* "$TABLES"/.types.*
 # The tables from every run that finished, each with the command that trains it.
+limited=
 wanted types && types "${ALL_TYPES[@]}" "${TYPES_TABLE[@]}" --tables-only
 wanted transfer && transfer --tables-only
 wanted resolution && resolution --tables-only
