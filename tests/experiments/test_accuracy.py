@@ -488,6 +488,45 @@ def test_jobs_trains_runs_side_by_side_each_stage_after_the_one_before(tmp_path,
     assert "| timm | 25.00% [25.00–25.00] (2) |" in text and "| floor | 75.00% [75.00–75.00] (2) |" in text
 
 
+@pytest.mark.parametrize("jobs", ["1", "3"])
+def test_a_failed_first_stage_or_a_run_that_cannot_start_is_reported_and_the_others_go_on(tmp_path, monkeypatch, capsys,
+                                                                                      jobs):
+    _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2")
+    trained = []
+
+    def fake_train(command, **kwargs):
+        run_dir = Path(command[command.index("--run-dir") + 1])
+        run = next(run for run in plan.all_runs(runs) if run.run_dir == run_dir)
+        trained.append(run_dir)
+        if run.row.attn == "floor" and run.seed == 0:
+            return subprocess.CompletedProcess(command, 2)  # floor's first stage of seed 0 fails
+        if run.row.attn == "timm" and run.seed == 1 and run.stage == 1:
+            raise OSError("no such file: train.py")  # this one's process cannot be started
+        finish(run, 0.5)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(execute.subprocess, "run", fake_train)
+    argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"), "--jobs", jobs,
+            "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
+    assert accuracy.main(argv) == 1
+    root = tmp_path / "runs"
+    assert sorted(trained) == sorted(root / name for name in (
+        "timm/seed0-stage1", "timm/seed0", "floor/seed0-stage1", "timm/seed1-stage1", "floor/seed1-stage1",
+        "floor/seed1"))
+    out = capsys.readouterr().out
+    assert "floor seed 0: not started, its stage 1 failed" in out
+    assert "timm seed 1 (stage 1): failed: no such file: train.py" in out
+    assert "timm seed 1: not started, its stage 1 failed" in out
+    assert "| timm | 50.00% (1) |" in (tmp_path / "table.md").read_text()
+
+
+def test_with_fewer_runs_left_than_jobs_the_time_left_is_the_longest_run_not_a_share():
+    runs = [plan.Run(row=plan.Row("floor", "floor"), seed=seed, run_dir=Path(f"r{seed}"), argv=[]) for seed in range(3)]
+    runs[0].seconds = 60.0
+    assert execute.eta_seconds(runs, jobs=4) == 60.0  # two runs left, at 60 s each, side by side
+    assert execute.eta_seconds(runs, jobs=1) == 120.0
+
+
 @pytest.mark.parametrize("jobs", ["0", "-1"])
 def test_jobs_below_one_is_refused(jobs, capsys):
     with pytest.raises(SystemExit):

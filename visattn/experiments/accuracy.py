@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="write the tables from the runs that finished, training none (others read \"not run\")")
     parser.add_argument("--jobs", type=int, default=1,
                         help="train.py processes at a time, each a run whose earlier stages have ended (default: 1); "
-                             "on a GPU, several small runs share it")
+                             "several small runs share one GPU, the first that CUDA_VISIBLE_DEVICES shows, and a run "
+                             "that does not fit beside the others is reported out of memory")
     parser.add_argument(
         "--stage", action="append", default=[], metavar="FLAGS", dest="stages",
         help="a curriculum: an earlier stage, train.py flags in one quoted word laid over the recipe and the words "

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from visattn.experiments.plan import REPO, Row, Run, all_runs, expected_config, run_name
@@ -146,20 +146,42 @@ def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object],
                 remaining = f"; all {left} left: about {duration(eta)}" if eta is not None else ""
                 verb = "resumed" if run.action == "resume" else "started"
                 print(f"{tag}: {verb}{remaining}", flush=True)
-                running[pool.submit(execute, run)] = run
+                running[start(pool, run, jobs)] = run
             if not running:
+                if pending and not any(stages_before_ended(run) for run in pending):
+                    raise RuntimeError(f"{run_name(pending[0])}: an earlier stage neither runs nor is to run")
                 continue
             ended, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in ended:
                 run = running.pop(future)
-                future.result()
-                outcome = (f"{100 * run.summary['test_acc']:.2f}%" if run.status == "finished"
-                           else f"{run.status}, see {run.log}")
+                if future.exception() is not None:  # train.py could not be started: its log, say, not writable
+                    run.status = "failed"
+                    outcome = f"failed: {future.exception()}"
+                elif run.status == "finished":
+                    outcome = f"{100 * run.summary['test_acc']:.2f}%"
+                else:
+                    outcome = f"{run.status}, see {run.log}"
+                took = f" in {duration(run.seconds)}" if run.seconds is not None else ""
                 eta, left = eta_seconds(every_run, jobs), len(pending) + len(running)
                 after = f"; {left} left: about {duration(eta)}" if left and eta is not None else ""
-                print(f"[{number[id(run)]}/{len(todo)}] {run_name(run)}: {outcome} in {duration(run.seconds)}{after}",
-                      flush=True)
+                print(f"[{number[id(run)]}/{len(todo)}] {run_name(run)}: {outcome}{took}{after}", flush=True)
                 write_tables()
+
+
+def start(pool: ThreadPoolExecutor, run: Run, jobs: int) -> Future:
+    """``execute(run)`` in a thread of ``pool``, or with one job at a time in this thread, done when it returns: an
+    interrupt (Ctrl-C) then ends train.py as ``subprocess.run`` ends its process; with several, the runs are
+    processes of this one's process group, which a Ctrl-C in its terminal ends together."""
+    if jobs > 1:
+        return pool.submit(execute, run)
+    future: Future = Future()
+    try:
+        execute(run)
+    except Exception as error:  # noqa: BLE001 - reported as the run's failure, as a thread's would be
+        future.set_exception(error)
+    else:
+        future.set_result(None)
+    return future
 
 
 def stages_before_ended(run: Run) -> bool:
@@ -170,7 +192,8 @@ def stages_before_ended(run: Run) -> bool:
 def eta_seconds(runs: list[Run], jobs: int = 1) -> float | None:
     """Time the runs still to train should take, ``jobs`` at a time: each at its row's mean time (of the same
     stage and variant of the data) in this invocation so far, or else the mean over all rows of its stage, or
-    else over all runs, their sum divided by ``jobs`` (None before any run is timed)."""
+    else over all runs, their sum divided by ``jobs`` or by the runs left where fewer (None before any run is
+    timed; the runs under way count in full)."""
     timed = [run for run in runs if run.seconds is not None]
     if not timed:
         return None
@@ -188,7 +211,7 @@ def eta_seconds(runs: list[Run], jobs: int = 1) -> float | None:
     return sum(
         statistics.fmean(per_row.get((run.variant, run.row, run.stage)) or per_stage.get(run.stage) or overall)
         for run in pending
-    ) / jobs
+    ) / max(1, min(jobs, len(pending)))
 
 
 def duration(seconds: float) -> str:

@@ -123,7 +123,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="write the tables from the runs that finished, training none (others read \"not run\")")
     parser.add_argument("--jobs", type=int, default=1,
                         help="train.py processes at a time, each a run whose earlier stages have ended (default: 1); "
-                             "on a GPU, several small runs share it")
+                             "several small runs share one GPU, the first that CUDA_VISIBLE_DEVICES shows, and a run "
+                             "that does not fit beside the others is reported out of memory")
     args = parser.parse_args(own)
     if args.tables_only and args.retrain:
         parser.error("--tables-only trains no run: leave out --retrain, or --tables-only to train")
