@@ -68,7 +68,7 @@ import sys
 from pathlib import Path
 
 import visattn
-from visattn.experiments.execute import run_grid
+from visattn.experiments.execute import add_grid_arguments, check_grid_arguments, run_grid
 from visattn.experiments.plan import (
     REPO, TABLE_FLAGS, Grid, Row, Run, expected_config, flag_names, parse_rows, plan, split_at_separator, stage_words,
     train_flags_problem,
@@ -101,13 +101,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--output", default="accuracy_table.md",
                         help="the markdown table; .png, .json, .csv beside it (with --variants: the summary table, "
                              "each variant's table as NAME-<variant>.md beside it)")
-    parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
-    parser.add_argument("--tables-only", action="store_true",
-                        help="write the tables from the runs that finished, training none (others read \"not run\")")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="train.py processes at a time, each a run whose earlier stages have ended (default: 1); "
-                             "several small runs share one GPU, the first that CUDA_VISIBLE_DEVICES shows, and a run "
-                             "that does not fit beside the others is reported out of memory")
+    add_grid_arguments(parser)
     parser.add_argument(
         "--stage", action="append", default=[], metavar="FLAGS", dest="stages",
         help="a curriculum: an earlier stage, train.py flags in one quoted word laid over the recipe and the words "
@@ -125,10 +119,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         word = pending.pop(0)
         own.append(f"--stage={pending.pop(0)}" if word == "--stage" and pending else word)
     args = parser.parse_args(own)
-    if args.tables_only and args.retrain:
-        parser.error("--tables-only trains no run: leave out --retrain, or --tables-only to train")
-    if args.jobs < 1:
-        parser.error(f"--jobs: at least 1 process at a time, got {args.jobs}")
+    check_grid_arguments(parser, args)
     try:
         args.rows = parse_rows(args.attn or [TIMM_ATTENTION, *visattn.list_attentions()])
     except ValueError as error:

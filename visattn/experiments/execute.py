@@ -2,6 +2,7 @@
 time, with a line each; the time the runs left should take."""
 from __future__ import annotations
 
+import argparse
 import re
 import statistics
 import subprocess
@@ -94,6 +95,25 @@ def execute(run: Run) -> None:
         read_run(run)
     else:
         run.status = failure(result.returncode, run.log.read_text(errors="replace"))
+
+
+def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+    """A runner's flags for what :func:`run_grid` does with its runs: ``--retrain``, ``--tables-only``, ``--jobs``."""
+    parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
+    parser.add_argument("--tables-only", action="store_true",
+                        help="write the tables from the runs that finished, training none (others read \"not run\")")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="train.py processes at a time, each a run whose earlier stages have ended (default: 1); "
+                             "several small runs share one GPU, the first that CUDA_VISIBLE_DEVICES shows, and a run "
+                             "that does not fit beside the others is reported out of memory")
+
+
+def check_grid_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags of :func:`add_grid_arguments` that cannot go together or are out of range: the parser's error."""
+    if args.tables_only and args.retrain:
+        parser.error("--tables-only trains no run: leave out --retrain, or --tables-only to train")
+    if args.jobs < 1:
+        parser.error(f"--jobs: at least 1 process at a time, got {args.jobs}")
 
 
 def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object], train: bool = True,

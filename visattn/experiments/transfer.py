@@ -64,7 +64,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import visattn
-from visattn.experiments.execute import config_differences, run_grid
+from visattn.experiments.execute import add_grid_arguments, check_grid_arguments, config_differences, run_grid
 from visattn.experiments.plan import (
     TABLE_FLAGS, Grid, Row, Run, expected_config, flag_names, parse_rows, plan, run_folder, split_at_separator,
     train_flags_problem,
@@ -118,18 +118,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--run-root", default="runs/transfer_table",
                         help="<run-root>/transfer/<row>/seed<k> and <run-root>/no-transfer/<row>/seed<k> hold the runs")
     parser.add_argument("--output", default="transfer_table.md", help="the markdown table; .json, .csv beside it")
-    parser.add_argument("--retrain", action="store_true", help="train every run afresh, even a finished one")
-    parser.add_argument("--tables-only", action="store_true",
-                        help="write the tables from the runs that finished, training none (others read \"not run\")")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="train.py processes at a time, each a run whose earlier stages have ended (default: 1); "
-                             "several small runs share one GPU, the first that CUDA_VISIBLE_DEVICES shows, and a run "
-                             "that does not fit beside the others is reported out of memory")
+    add_grid_arguments(parser)
     args = parser.parse_args(own)
-    if args.tables_only and args.retrain:
-        parser.error("--tables-only trains no run: leave out --retrain, or --tables-only to train")
-    if args.jobs < 1:
-        parser.error(f"--jobs: at least 1 process at a time, got {args.jobs}")
+    check_grid_arguments(parser, args)
     try:
         args.rows = parse_rows(args.attn)
     except ValueError as error:
