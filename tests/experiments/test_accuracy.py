@@ -108,6 +108,24 @@ def test_rows_sum_up_their_seeds_as_median_and_range():
     assert (report.accuracy_cell(floor), floor.images_per_s, floor.status) == ("—", None, "not run yet")
 
 
+def test_seeds_on_a_gpu_and_a_cpu_give_no_median_time_or_memory():
+    on_gpu = synthetic_run("axial", 0, 0.97, images_per_s=300)
+    on_gpu.summary["mem_kind"] = "cuda_allocated"
+    runs = [on_gpu, synthetic_run("axial", 1, 0.95, images_per_s=20), synthetic_run("linear", 0, 0.9, images_per_s=30)]
+    axial, linear = summarise.summarize_rows(plan.parse_rows(["axial", "linear"]), runs)
+    assert report.accuracy_cell(axial) == "96.00% [95.00–97.00] (2)"  # accuracy does not depend on the machine
+    assert (axial.images_per_s, axial.epoch_s, axial.peak_mem_mib, axial.all_stages_s) == (None, None, None, None)
+    assert (linear.images_per_s, linear.peak_mem_mib) == (30, 1000)
+    text = report.accuracy_markdown([axial, linear], runs, recipe(), "python -m visattn.experiments.accuracy")
+    assert "| axial | 96.00% [95.00–97.00] (2) | 0 | — | — | — | — | yes |" in text.splitlines()
+    assert "read — in a row whose seeds ran on different kinds of device" in text
+    assert "the whole process's peak resident set for runs on a CPU" in text
+    one_device = report.accuracy_markdown([linear], runs[2:], recipe(), "python -m visattn.experiments.accuracy")
+    assert "kinds of device" not in one_device
+    on_gpu.previous = synthetic_run("axial", 0, 0.90)  # a first stage on the CPU, the last on a GPU
+    assert summarise.summarize_row(plan.parse_rows(["axial"])[0], [on_gpu]).mixed_devices
+
+
 def test_markdown_has_every_column_and_the_speedup_over_timm():
     runs = synthetic_runs()
     results = summarise.summarize_rows(plan.parse_rows(["timm", "linear", "axial", "floor"]), runs)

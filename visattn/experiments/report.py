@@ -13,7 +13,7 @@ from typing import Any
 from visattn.experiments.larger_size import MOST_CONFIDENT, SECOND_STAGE, TRAINED, UPSAMPLED, WHOLE, Evaluation, columns, tiled_column
 from visattn.experiments.plan import Run, all_runs, expected_config
 from visattn.experiments.plot import plot
-from visattn.experiments.summarise import RowResult, epoch_seconds, run_epochs_at_chance
+from visattn.experiments.summarise import RowResult, device_kinds, epoch_seconds, run_epochs_at_chance
 from visattn.experiments.variants import Variant, group_of
 from visattn.models import TIMM_ATTENTION
 from visattn.train import TrainConfig
@@ -65,7 +65,7 @@ def _rate(value: float | None) -> str:
 
 def accuracy_markdown(results: list[RowResult], runs: list[Run], recipe: TrainConfig, command: str) -> str:
     finished = [run for run in runs if run.status == "finished"]
-    mem_kinds = {run.summary["mem_kind"] for run in finished}
+    mem_kinds = device_kinds(finished)
     on_gpu = mem_kinds == {"cuda_allocated"}
     rows_, cols_ = (side // recipe.patch_size for side in recipe.image_hw)
     tokens = f"{rows_ * cols_:,} tokens"
@@ -95,6 +95,8 @@ def accuracy_markdown(results: list[RowResult], runs: list[Run], recipe: TrainCo
     memory = (
         "GPU memory allocated by tensors" if on_gpu
         else "on CPU the whole process's peak resident set, Python runtime and dataset included"
+        if mem_kinds <= {"cpu_peak_rss"}
+        else "GPU memory allocated by tensors for runs on a GPU, the whole process's peak resident set for runs on a CPU"
     )
     variant = runs[0].variant if runs else None
     data = recipe.dataset
@@ -111,6 +113,8 @@ def accuracy_markdown(results: list[RowResult], runs: list[Run], recipe: TrainCo
         "the timm row's (timm's own Attention in the same ViT), from runs that may have shared the machine with "
         "the grid's other runs: how fast a type trains is the benchmark's figure (visattn-bench), not this column's."
     )
+    if any(result.mixed_devices for result in results):
+        note += " Speed, seconds and memory read — in a row whose seeds ran on different kinds of device."
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -194,10 +198,13 @@ def variants_markdown(per_variant: list[tuple[Variant, list[RowResult]]], output
             lines.append(f"| {variant.name} | {group_of(variant)} | {result.row.label} | {accuracy_cell(result)} | "
                          f"{_number(result.all_stages_s)} | {chance_cell(result)} |")
     tables = ", ".join(f"[{variant.name}]({variant_output(output, variant).name})" for variant, _ in per_variant)
+    mixed = (" (— where they ran on different kinds of device)"
+             if any(result.mixed_devices for _, results in per_variant for result in results) else "")
     note = (
         "Recipe decisions are made on the tuning variants and reported on the held-out ones, which are not changed "
         "once a result on them has been seen (visattn/experiments/variants.py). Test accuracy of the weights chosen on validation; seconds: "
-        "the wall time train.py recorded for each stage, summed over the stages, median over the seeds; "
+        "the wall time train.py recorded for each stage, summed over the stages, median over the seeds"
+        f"{mixed}; "
         f"{CHANCE_NOTE}. "
         f"Each variant's own table, with speed and memory: {tables}."
     )

@@ -94,6 +94,7 @@ class RowResult:
     epoch_s: float | None
     peak_mem_mib: float | None
     status: str  # "yes", "no: out of memory", "failed", "not run yet"
+    mixed_devices: bool = False  # its finished seeds ran on different kinds of device: no median of time or memory
 
     @property
     def count(self) -> int:
@@ -112,6 +113,12 @@ def median_of_known(values: list[float | None]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def device_kinds(runs: list[Run]) -> set[str | None]:
+    """The kinds of device the runs and their earlier stages were measured on, as their summaries name their
+    memory ("cuda_allocated", "cpu_peak_rss"; None where a summary does not say)."""
+    return {stage.summary.get("mem_kind") for run in runs for stage in (*run.earlier, run) if stage.summary}
+
+
 def summarize_row(row: Row, runs: list[Run]) -> RowResult:
     finished = [run for run in runs if run.status == "finished"]
     statuses = {run.status for run in runs}
@@ -121,14 +128,17 @@ def summarize_row(row: Row, runs: list[Run]) -> RowResult:
         status = "failed"
     else:
         status = "yes" if finished else "not run yet"
+    # A GPU's seconds and memory and a CPU's have no common median: none where the seeds ran on both.
+    kinds = device_kinds(finished)
+    timed = finished if len(kinds) == 1 and None not in kinds else []
     return RowResult(
         row=row, seeds=len(runs), accs=[run.summary["test_acc"] for run in finished],
         chance_epochs=[epochs for epochs in map(run_epochs_at_chance, finished) if epochs is not None],
-        all_stages_s=median_of_known([all_stages_seconds(run) for run in finished]),
-        images_per_s=median_of_known([run.summary["images_per_s"] for run in finished]),
-        epoch_s=median_of_known([epoch_seconds(run.history) for run in finished]),
-        peak_mem_mib=median_of_known([run.summary["peak_mem_mib"] for run in finished]),
-        status=status,
+        all_stages_s=median_of_known([all_stages_seconds(run) for run in timed]),
+        images_per_s=median_of_known([run.summary["images_per_s"] for run in timed]),
+        epoch_s=median_of_known([epoch_seconds(run.history) for run in timed]),
+        peak_mem_mib=median_of_known([run.summary["peak_mem_mib"] for run in timed]),
+        status=status, mixed_devices=bool(finished) and not timed,
     )
 
 
