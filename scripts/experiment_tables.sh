@@ -96,14 +96,17 @@ axial() {
     --output "$TABLES/cluttered-digits-maxpool-axial$FIRST_EPOCHS_AXIAL.md" "$@" -- "${EXTRA[@]}"
 }
 ALL_TYPES=(softmax linear linear:dwconv_kernel=null axial neighborhood sparse)
-# Each generated set drawn once, with every core, before the runs that read it start side by side.
-$PY - "$CONFIG" <<'PYTHON' || { echo "drawing the generated sets failed" >&2; exit 1; }
+# Each generated set the tables read drawn once, with every core, before the runs that read it start side by side:
+# the recipe's, and the variants' for the axial table.
+VARIANT_SETS=$(wanted axial && echo variants)
+$PY - "$CONFIG" $VARIANT_SETS <<'PYTHON' || { echo "drawing the generated sets failed" >&2; exit 1; }
 import sys
 from visattn.experiments.variants import VARIANTS
 from visattn.train import make_config, read_yaml
 from visattn.train.data import load_splits
 recipe = read_yaml(sys.argv[1])
-for options in (recipe["dataset_kwargs"], *(variant.dataset_kwargs for variant in VARIANTS.values())):
+variants = VARIANTS.values() if sys.argv[2:] == ["variants"] else []
+for options in (recipe["dataset_kwargs"], *(variant.dataset_kwargs for variant in variants)):
     for size in (64, 128):
         load_splits(make_config({**recipe, "img_size": size, "dataset_kwargs": {**recipe["dataset_kwargs"], **options}}))
 print("generated sets ready", flush=True)

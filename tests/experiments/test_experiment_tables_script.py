@@ -42,7 +42,7 @@ def test_every_table_trains_then_is_written_from_its_runs_in_the_order_each_need
     lines, process = run_script(tmp_path, JOBS="2", SEEDS="0 1")
     assert process.returncode == 0
     runs, tables = tmp_path / "runs", tmp_path / "tables"
-    assert lines[0] == f"- {CONFIG}"  # the generated sets, drawn before any run starts
+    assert lines[0] == f"- {CONFIG} variants"  # the generated sets, the variants' too, drawn before any run starts
     training, written = lines[1:-4], lines[-4:]
     parents = next(line for line in training if "--attn softmax --output" in line)
     assert parents.startswith(f"-m visattn.experiments.accuracy --config {CONFIG} --stage --img-size 64 --epochs 8 "
@@ -69,13 +69,15 @@ def test_every_table_trains_then_is_written_from_its_runs_in_the_order_each_need
     assert "--attn softmax linear linear:dwconv_kernel=null axial neighborhood sparse" in written[0]
 
 
-@pytest.mark.parametrize("only, first_words", [
-    ("axial", ["-m visattn.experiments.accuracy"]),
-    ("transfer", ["-m visattn.experiments.accuracy", "-m visattn.experiments.transfer"]),
+@pytest.mark.parametrize("only, sets, first_words", [
+    ("axial", f"- {CONFIG} variants", ["-m visattn.experiments.accuracy"]),
+    ("transfer", f"- {CONFIG}", ["-m visattn.experiments.accuracy", "-m visattn.experiments.transfer"]),
 ])
-def test_only_trains_the_tables_named_and_what_they_start_from(tmp_path, only, first_words):
+def test_only_trains_the_tables_named_and_what_they_start_from(tmp_path, only, sets, first_words):
+    """... and draws only the generated sets those read: the variants' for the axial table alone."""
     lines, process = run_script(tmp_path, ONLY=only)
     assert process.returncode == 0
+    assert lines[0] == sets
     training, written = lines[1:-1], lines[-1:]
     assert [line[:len(first)] for line, first in zip(training, first_words)] == first_words
     assert len(training) == len(first_words)

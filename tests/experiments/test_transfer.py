@@ -19,7 +19,7 @@ import train  # the script at the repository root, importable from there as pyte
 from visattn.experiments import execute, summarise, transfer, transfer_table
 from visattn.experiments.plan import Run, expected_config, parse_rows
 from visattn.experiments.summarise import FinishedRun
-from visattn.train.config import config_yaml, make_config
+from visattn.train.config import config_yaml, make_config, read_yaml
 
 from tests.helpers import TINY
 
@@ -354,6 +354,12 @@ def test_a_run_started_from_a_weights_file_in_a_run_counts_that_run(tmp_path):
                               initial_checkpoint=str(weights))
         assert transfer_table.lineage(second) == [first, second]
         assert transfer_table.lineage_cost(second) == (30, 3.0)
+        # copied elsewhere without its weights, the run it started from is still counted; moved, it is not
+        weights.unlink()
+        assert transfer_table.lineage_cost(second) == (30, 3.0)
+    first.rename(tmp_path / "moved")
+    assert transfer_table.lineage(second) == [second]
+    assert transfer_table.lineage_cost(second) == (20, 2.0)
 
 
 def test_a_run_from_scratch_is_timed_by_its_epochs_here_and_by_wall_time_in_the_accuracy_table(tmp_path):
@@ -372,13 +378,54 @@ def test_each_seed_is_compared_with_its_own_parent():
     def parent(acc: float) -> FinishedRun:
         return FinishedRun("parent", 0, Path("p"), make_config({}), dict(test_acc=acc), (0.5,), (0.5,))
 
-    points = [(0, transfer_table.Point("epoch 1", 0.60, 100, 10.0)), (1, transfer_table.Point("epoch 1", 0.60, 300, 30.0)),
-              (2, transfer_table.Point("epoch 1", None, 200, 20.0))]
+    points = [(0, transfer_table.Point("epoch 1", 0.60, 100, 10.0, "GPU")),
+              (1, transfer_table.Point("epoch 1", 0.60, 300, 30.0, "GPU")),
+              (2, transfer_table.Point("epoch 1", None, 200, 20.0, "GPU"))]
     line = transfer_table.summed("axial", "epoch 1", points, {0: parent(0.5), 1: parent(0.7), 2: parent(0.6)}, "3 of 3")
     assert line.accs == [0.60, 0.60] and line.deltas == pytest.approx([0.10, -0.10])
     assert (line.images, line.seconds) == (200, 20.0)  # of every finished run, its accuracy recorded or not
+    assert (line.device, line.mixed_devices) == ("GPU", False)
     assert transfer_table.points_cell(line.deltas) == "+0.00 [-10.00–+10.00]"
     assert transfer_table.points_cell([0.004]) == "+0.40" and transfer_table.points_cell([]) == "—"
+
+
+def test_seconds_measured_on_a_gpu_and_a_cpu_have_no_median_and_a_table_of_both_names_each_line_s(tmp_path):
+    """A line whose seeds trained on different kinds of device, or a run whose stages did, has no seconds; a
+    table whose lines ran on several kinds names the kind beside each line's seconds."""
+    def run_on(run_dir: Path, mem_kind: str, seconds: float, **config) -> Path:
+        recorded_run(run_dir, [dict(train_images=10, train_time_s=seconds)], **config)
+        (run_dir / "summary.json").write_text(json.dumps(dict(test_acc=0.9, mem_kind=mem_kind)))
+        return run_dir
+
+    def finished(run_dir: Path, seed: int) -> FinishedRun:
+        return FinishedRun("softmax", seed, run_dir, make_config(read_yaml(run_dir / "config.yaml")),
+                           json.loads((run_dir / "summary.json").read_text()), (0.5,), (0.5,))
+
+    gpu = run_on(tmp_path / "gpu", "cuda_allocated", 2.0)
+    cpu = run_on(tmp_path / "cpu", "cpu_peak_rss", 50.0)
+    assert transfer_table.lineage_point("trained", finished(gpu, 0)) == transfer_table.Point("trained", 0.9, 10, 2.0, "GPU")
+    # a second stage on the CPU from the GPU's first: its training on both kinds, no seconds of one kind
+    staged = run_on(tmp_path / "staged", "cpu_peak_rss", 50.0, initial_checkpoint=str(gpu))
+    assert transfer_table.lineage_point("trained", finished(staged, 0)).device is None
+    parents = {0: finished(gpu, 0), 1: finished(cpu, 1)}
+    points = [(seed, transfer_table.lineage_point("trained", run)) for seed, run in parents.items()]
+    mixed = transfer_table.summed("linear", "from scratch", points, parents, "2 of 2")
+    assert (mixed.accs, mixed.images, mixed.seconds, mixed.device, mixed.mixed_devices) == ([0.9, 0.9], 10, None, None, True)
+    one_kind = transfer_table.summed("linear", "from scratch", points[:1], parents, "1 of 2")
+    assert (one_kind.seconds, one_kind.device, one_kind.mixed_devices) == (2.0, "GPU", False)
+    on_cpu = transfer_table.summed("linear", "from scratch", points[1:], parents, "1 of 2")
+    assert [transfer_table.seconds_cell(line, named=True) for line in (one_kind, on_cpu, mixed)] == [
+        "2.0 (GPU)", "50.0 (CPU)", "—"]
+    assert transfer_table.seconds_cell(one_kind, named=False) == "2.0"
+    lines = [one_kind, on_cpu, mixed]
+    table = transfer_table.TransferTable(rows=[], transfer_runs=[], no_transfer_runs=[], parents=parents,
+                                         transfer_epochs=1, finetune_epochs=[1])
+    table.transfer_runs = [Run(parse_rows(["axial"])[0], 0, tmp_path / "t", argv=["--img-size", "16"])]
+    words = transfer_table.note(table, "cmd", lines)
+    assert "named beside them: a GPU's and a CPU's are not compared." in words
+    assert "Seconds read — in a line whose seeds (or a run's stages) trained on different kinds of device." in words
+    words = transfer_table.note(table, "cmd", [one_kind])
+    assert "named beside them" not in words and "Seconds read —" not in words
 
 
 def test_the_runs_of_the_table_start_from_their_seed_s_parent(folder, tmp_path):

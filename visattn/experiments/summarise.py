@@ -167,12 +167,13 @@ class FinishedRun:
 
 def started_from(config: TrainConfig) -> Path | None:
     """The run directory whose weights ``config`` starts from: the one its ``initial_checkpoint`` names, or the
-    nearest above the weights file it names (a run's best weights, a checkpoint's); None for fresh or published
-    weights, a file outside any run, or a path that does not exist (any more)."""
+    nearest above the weights file it names (a run's best weights, a checkpoint's), kept or since deleted (a run
+    copied without its weights is still the run it was started from); None for fresh or published weights, a
+    file outside any run, or a run folder that is not there (any more)."""
     if config.initial_checkpoint is None:
         return None
     start = Path(config.initial_checkpoint)
-    folders = [start] if start.is_dir() else start.parents if start.is_file() else []
+    folders = [start] if start.is_dir() else start.parents
     return next((folder for folder in folders if (folder / CONFIG_FILE).is_file()), None)
 
 

@@ -13,12 +13,14 @@ from typing import Any
 from visattn.experiments.plan import Row, Run, expected_config
 from visattn.experiments.report import median_range
 from visattn.experiments.summarise import FinishedRun, epoch_time, median_of_known, read_records, started_from
-from visattn.train import CONFIG_FILE, METRICS_FILE, TRANSFER_METRICS_FILE, TrainConfig, make_config, read_yaml
+from visattn.train import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRANSFER_METRICS_FILE, TrainConfig, make_config, read_yaml
 
 CONVERTED = "converted"
 TRANSFER = "transfer"
 # train.py flags of a row of the transfer arm whose transfer also trains the attention's qkv, proj and norms.
 PROJECTIONS = ("--transfer-projections",)
+# The kind of device a run trained on, by the memory its summary names ("mem_kind").
+DEVICE_WORDS = {"cuda_allocated": "GPU", "cpu_peak_rss": "CPU"}
 
 
 def epoch_stage(epoch: int) -> str:
@@ -47,12 +49,21 @@ def training_cost(records: list[dict[str, Any]], source: Path) -> tuple[int, flo
 @dataclass(frozen=True)
 class Point:
     """A run's test accuracy after one stage (None where the run did not record it), and the training images
-    and seconds since its first weights up to the end of that stage."""
+    and seconds since its first weights up to the end of that stage, with the kind of device those seconds were
+    measured on ("GPU", "CPU"; None where unknown, or where the stages counted ran on different kinds)."""
 
     stage: str  # CONVERTED, TRANSFER or epoch_stage(k)
     acc: float | None
     images: int
     seconds: float
+    device: str | None
+
+
+def device_of(summaries: list[dict[str, Any]]) -> str | None:
+    """The one kind of device runs trained on, by their summaries' ``mem_kind`` (None if they differ, or one
+    does not say)."""
+    kinds = {DEVICE_WORDS.get(summary.get("mem_kind")) for summary in summaries}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def run_points(run: Run, finetune_epochs: list[int]) -> list[Point]:
@@ -60,13 +71,14 @@ def run_points(run: Run, finetune_epochs: list[int]) -> list[Point]:
     the end of each epoch of ``finetune_epochs``, from its summary and per-epoch records."""
     transfer = read_records(run.run_dir / TRANSFER_METRICS_FILE)
     images, seconds = training_cost(transfer, run.run_dir / TRANSFER_METRICS_FILE)
-    points = [Point(CONVERTED, run.summary.get("initial_test_acc"), 0, 0.0)]
+    device = device_of([run.summary])
+    points = [Point(CONVERTED, run.summary.get("initial_test_acc"), 0, 0.0, device)]
     if transfer:
-        points.append(Point(TRANSFER, run.summary.get("transfer_test_acc"), images, seconds))
+        points.append(Point(TRANSFER, run.summary.get("transfer_test_acc"), images, seconds, device))
     for epoch in finetune_epochs:
         more_images, more_seconds = training_cost(run.history[:epoch], run.run_dir / METRICS_FILE)
         acc = run.history[epoch - 1].get("test_acc") if len(run.history) >= epoch else None
-        points.append(Point(epoch_stage(epoch), acc, images + more_images, seconds + more_seconds))
+        points.append(Point(epoch_stage(epoch), acc, images + more_images, seconds + more_seconds, device))
     return points
 
 
@@ -86,6 +98,19 @@ def lineage_cost(run_dir: Path) -> tuple[int, float]:
     costs = [training_cost(read_records(run / name), run / name) for run in lineage(run_dir)
              for name in (TRANSFER_METRICS_FILE, METRICS_FILE)]
     return sum(images for images, _ in costs), sum(seconds for _, seconds in costs)
+
+
+def lineage_point(stage: str, run: FinishedRun) -> Point:
+    """A finished run's reported accuracy and its training over all its stages (:func:`lineage_cost`), on the
+    kind of device they all ran on (None where they ran on different kinds)."""
+    device = device_of([read_summary(folder) for folder in lineage(run.run_dir)])
+    return Point(stage, run.summary["test_acc"], *lineage_cost(run.run_dir), device)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """A run's summary.json (empty where it has none)."""
+    path = run_dir / SUMMARY_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def recipe_words(run_dir: Path) -> str:
@@ -121,17 +146,27 @@ class Line:
     deltas: list[float]  # each seed's accuracy minus its parent's
     images: float | None  # medians over the seeds
     seconds: float | None
+    device: str | None  # the kind of device its seconds were measured on
+    mixed_devices: bool  # its points were measured on different kinds of device (or one unknown): no seconds
     runs: str  # how many of its runs finished, and where a failed one's log is
+
+
+def line_of(attention: str, stage: str, points: list[Point], deltas: list[float], runs: str) -> Line:
+    """A line of ``points``' accuracies and the medians of their cost; a GPU's seconds and a CPU's have no
+    median: none where the points were measured on different kinds of device."""
+    devices = {point.device for point in points}
+    device = devices.pop() if len(devices) == 1 else None
+    return Line(attention, stage, [point.acc for point in points if point.acc is not None], deltas,
+                median_of_known([point.images for point in points]),
+                median_of_known([point.seconds for point in points]) if device is not None else None, device,
+                bool(points) and device is None, runs)
 
 
 def summed(attention: str, stage: str, points: list[tuple[int, Point]], parents: dict[int, FinishedRun],
            runs: str) -> Line:
-    """A line from (seed, point) pairs of its finished runs."""
-    measured = [(seed, point.acc) for seed, point in points if point.acc is not None]
-    return Line(attention, stage, [acc for _, acc in measured],
-                [acc - parents[seed].summary["test_acc"] for seed, acc in measured],
-                median_of_known([point.images for _, point in points]),
-                median_of_known([point.seconds for _, point in points]), runs)
+    """A line from (seed, point) pairs of its finished runs, each seed compared with its own parent."""
+    deltas = [point.acc - parents[seed].summary["test_acc"] for seed, point in points if point.acc is not None]
+    return line_of(attention, stage, [point for _, point in points], deltas, runs)
 
 
 def runs_cell(runs: list[Run]) -> str:
@@ -152,12 +187,9 @@ def stage_points(runs: list[Run], stage: str, finetune_epochs: list[int]) -> lis
 
 def parent_line(table: TransferTable) -> Line:
     parents = list({parent.run_dir.resolve(): parent for parent in table.parents.values()}.values())
-    costs = [lineage_cost(parent.run_dir) for parent in parents]
     first = parents[0]
-    return Line(f"parent ({first.config.attn})", f"trained: {recipe_words(first.run_dir)}",
-                [parent.summary["test_acc"] for parent in parents], [],
-                statistics.median(images for images, _ in costs), statistics.median(seconds for _, seconds in costs),
-                f"{len(parents)} finished")
+    return line_of(f"parent ({first.config.attn})", f"trained: {recipe_words(first.run_dir)}",
+                   [lineage_point("trained", parent) for parent in parents], [], f"{len(parents)} finished")
 
 
 def row_lines(table: TransferTable, row: Row) -> list[Line]:
@@ -184,7 +216,7 @@ def scratch_line(table: TransferTable, row: Row) -> Line:
     scratch = table.scratch_rows[table.rows.index(row)]
     found = [(seed, table.from_scratch[(scratch.text, seed)]) for seed in table.parents
              if (scratch.text, seed) in table.from_scratch]
-    points = [(seed, Point("from scratch", run.summary["test_acc"], *lineage_cost(run.run_dir))) for seed, run in found]
+    points = [(seed, lineage_point("from scratch", run)) for seed, run in found]
     return summed(row.label, f"from scratch: {scratch.label}, its recipe", points, table.parents,
                   f"{len(found)} of {len(table.parents)} in `{table.from_scratch_root / scratch.folder}`")
 
@@ -209,16 +241,24 @@ def count_cell(value: float | None, digits: int = 0) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
 
 
+def seconds_cell(line: Line, named: bool) -> str:
+    """A line's seconds, followed by its kind of device where ``named`` (a table whose lines ran on several)."""
+    cell = count_cell(line.seconds, 1)
+    return f"{cell} ({line.device})" if named and line.seconds is not None and line.device else cell
+
+
 def transfer_markdown(table: TransferTable, command: str) -> str:
     lines = [
         "| attention | stage | test accuracy, median [min–max] (seeds) | vs its parent, points | training images | "
         "training s | runs |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
-    for line in table_lines(table):
+    table_rows = table_lines(table)
+    devices = {line.device for line in table_rows if line.seconds is not None}
+    for line in table_rows:
         lines.append(f"| {line.attention} | {line.stage} | {accuracy_cell(line.accs)} | {points_cell(line.deltas)} | "
-                     f"{count_cell(line.images)} | {count_cell(line.seconds, 1)} | {line.runs} |")
-    return "\n".join(lines) + "\n\n" + note(table, command) + "\n"
+                     f"{count_cell(line.images)} | {seconds_cell(line, len(devices) > 1)} | {line.runs} |")
+    return "\n".join(lines) + "\n\n" + note(table, command, table_rows) + "\n"
 
 
 def size_words(config: TrainConfig) -> str:
@@ -227,7 +267,7 @@ def size_words(config: TrainConfig) -> str:
     return f"{config.image_hw[0]}×{config.image_hw[1]} px ({rows_}×{cols_} grid, {rows_ * cols_:,} tokens)"
 
 
-def note(table: TransferTable, command: str) -> str:
+def note(table: TransferTable, command: str, lines: list[Line]) -> str:
     last = max(table.finetune_epochs)
     runs_config = expected_config(table.transfer_runs[0].argv)
     parent_config = next(iter(table.parents.values())).config
@@ -253,6 +293,10 @@ def note(table: TransferTable, command: str) -> str:
         "plus the validation (or the transfer's held-out loss) at the end of each epoch; start-up, data preparation "
         "and test evaluations not counted (the accuracy tables' seconds of all stages are each stage's wall time, "
         "these included).",
+        *(["Seconds are each line's on the kind of device its runs trained on, named beside them: a GPU's and a "
+           "CPU's are not compared."] if len({line.device for line in lines if line.seconds is not None}) > 1 else []),
+        *(["Seconds read — in a line whose seeds (or a run's stages) trained on different kinds of device."]
+          if any(line.mixed_devices for line in lines) else []),
         "Transfer trains the parameters each type adds to the parent's qkv, proj and norms; a transfer stage marked "
         "\"qkv, proj and norms too\" trains those as well (--transfer-projections: a type that adds none, or every "
         "row where the command asks for it).",
@@ -263,7 +307,7 @@ def note(table: TransferTable, command: str) -> str:
 
 
 CSV_FIELDS = ("arm", "row", "attn", "options", "seed", "stage", "test_acc", "parent_test_acc", "images", "seconds",
-              "status", "run_dir")
+              "device", "status", "run_dir")
 
 
 def stage_records(table: TransferTable) -> list[dict[str, Any]]:
@@ -271,10 +315,10 @@ def stage_records(table: TransferTable) -> list[dict[str, Any]]:
     one record without a stage)."""
     records = []
     for seed, parent in table.parents.items():
-        images, seconds = lineage_cost(parent.run_dir)
+        point = lineage_point("trained", parent)
         records.append(dict(arm="parent", row=parent.config.attn, attn=parent.config.attn,
-                            options=parent.config.attn_kwargs, seed=seed, stage="trained",
-                            test_acc=parent.summary["test_acc"], images=images, seconds=seconds, status="finished",
+                            options=parent.config.attn_kwargs, seed=seed, stage=point.stage, test_acc=point.acc,
+                            images=point.images, seconds=point.seconds, device=point.device, status="finished",
                             run_dir=str(parent.run_dir)))
     for arm, runs in (("transfer", table.transfer_runs), ("no-transfer", table.no_transfer_runs)):
         for run in runs:
@@ -282,13 +326,13 @@ def stage_records(table: TransferTable) -> list[dict[str, Any]]:
                           status=run.status, run_dir=str(run.run_dir))
             points = run_points(run, table.finetune_epochs) if run.status == "finished" else []
             records += [{**common, "stage": point.stage, "test_acc": point.acc, "images": point.images,
-                         "seconds": point.seconds} for point in points] or [
-                {**common, "stage": None, "test_acc": None, "images": None, "seconds": None}]
+                         "seconds": point.seconds, "device": point.device} for point in points] or [
+                {**common, "stage": None, "test_acc": None, "images": None, "seconds": None, "device": None}]
     for (text, seed), run in table.from_scratch.items():
-        images, seconds = lineage_cost(run.run_dir)
+        point = lineage_point("trained", run)
         records.append(dict(arm="from-scratch", row=text, attn=run.config.attn, options=run.config.attn_kwargs,
-                            seed=seed, stage="trained", test_acc=run.summary["test_acc"], images=images,
-                            seconds=seconds, status="finished", run_dir=str(run.run_dir)))
+                            seed=seed, stage=point.stage, test_acc=point.acc, images=point.images,
+                            seconds=point.seconds, device=point.device, status="finished", run_dir=str(run.run_dir)))
     for record in records:
         record["parent_test_acc"] = table.parents[record["seed"]].summary["test_acc"]
     return records
