@@ -580,6 +580,39 @@ def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, 
     assert "8 runs: 6 finished before, 2 to train (1 resumed)" in out
 
 
+def test_a_finished_first_stage_without_its_weights_is_trained_again_for_the_second(tmp_path, monkeypatch, capsys):
+    """Runs copied from another machine without their weights: a first stage whose second is to be trained is
+    trained again for its weights; one whose second stage finished (or resumes from its own checkpoint) is not."""
+    _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2")
+    for run in plan.all_runs(runs):
+        finish(run, 0.5)
+        (run.run_dir / "model_best.safetensors").write_bytes(b"")
+    timm0, timm1 = runs[0], runs[1]
+    (timm0.previous.run_dir / "model_best.safetensors").unlink()
+    (timm0.run_dir / "summary.json").unlink()  # its second stage never finished here
+    (timm1.previous.run_dir / "model_best.safetensors").unlink()  # its second stage finished: nothing to do
+    commands = []
+
+    def fake_train(command, **kwargs):
+        commands.append(command[-3:])
+        run_dir = Path(command[command.index("--run-dir") + 1])
+        (run_dir / "summary.json").write_text(json.dumps(dict(
+            test_acc=0.75, best_acc=0.5, best_epoch=1, epochs=1, images_per_s=48.0, peak_mem_mib=800.0,
+            mem_kind="cpu_peak_rss", wall_time_s=3.0)))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(execute.subprocess, "run", fake_train)
+    argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
+            "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
+    assert accuracy.main(argv) == 0
+    assert commands == [["--run-dir", str(timm0.previous.run_dir), "--overwrite"],
+                        ["--run-dir", str(timm0.run_dir), "--overwrite"]]
+    out = capsys.readouterr().out
+    assert ("timm seed 0 (stage 1): trained afresh: finished, but its model_best.safetensors, which its next stage "
+            "starts from, is not there") in out
+    assert "8 runs: 6 finished before, 2 to train (0 resumed)" in out
+
+
 def test_a_second_stage_older_than_its_first_stages_finish_is_trained_again(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args, train_args = accuracy.parse_args(["--attn", "floor", "--run-root", "runs", "--stage", "--img-size 8 --epochs 2",

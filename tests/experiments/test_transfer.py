@@ -274,6 +274,20 @@ def test_bad_parents_and_runs_from_scratch_stop_before_any_run(folder, tmp_path,
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_parent_without_its_weights_is_refused_before_any_run_unless_none_is_to_train(folder, tmp_path, monkeypatch,
+                                                                                          capsys):
+    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    parent = shutil.copytree(folder / "parent", tmp_path / "parent", ignore=shutil.ignore_patterns("*.safetensors"))
+    common = ["--parent", str(parent), "--attn", *ROWS, "--transfer-epochs", "1", "--finetune-epochs", "1", "2",
+              "--output", str(tmp_path / "t.md")]
+    assert transfer.main([*common, "--run-root", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --parent: {parent} has no model_best.safetensors (a run copied without its weights?), which its "
+        "seed's runs start from; accepted: a finished run with its best weights\n")
+    assert not (tmp_path / "runs").exists()
+    assert transfer.main([*common, "--run-root", str(tmp_path / "runs"), "--tables-only"]) == 1  # none finished
+
+
 @pytest.mark.parametrize("values, differs", [
     (dict(model="visattn_vit_small_patch16"), "model 'visattn_vit_small_patch16' (the table's runs: 'visattn_vit_tiny_patch16')"),
     (dict(embed_dim=32, num_heads=4), "embed_dim 32 (the table's runs: 16), num_heads 4 (the table's runs: 2)"),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from visattn.experiments.plan import REPO, Row, Run, all_runs, expected_config, run_name
 from visattn.experiments.summarise import read_run, started_from
+from visattn.predict import BEST_WEIGHTS
 from visattn.train import CONFIG_FILE, SUMMARY_FILE, ConfigError, TrainConfig, list_checkpoints, make_config, read_yaml
 
 # Config keys that say where and how a run is kept, not what it trains: a run that differs only in them is reused.
@@ -134,14 +135,24 @@ def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object],
               "trained)", flush=True)
         write_tables()
         return
+    reasons = {}
     for run in every_run:
-        run.action, why = choose_action(run, retrain)
+        run.action, reasons[id(run)] = choose_action(run, retrain)
         if run.previous is not None and run.previous.action != "reuse" and run.action != "train":
-            run.action, why = "train", "the stage it starts from is trained in this invocation"
+            run.action, reasons[id(run)] = "train", "the stage it starts from is trained in this invocation"
+    # A finished stage copied without its weights (from another machine, say) is trained again where the next
+    # stage, to be trained, starts from them; last stage first, so that a chain of such stages is all retrained.
+    for run in reversed(every_run):
+        previous = run.previous
+        if run.action == "train" and previous is not None and previous.action == "reuse" and not (
+                previous.run_dir / BEST_WEIGHTS).is_file():
+            previous.action, reasons[id(previous)] = "train", (
+                f"finished, but its {BEST_WEIGHTS}, which its next stage starts from, is not there")
+    for run in every_run:
         if run.action == "reuse":
             read_run(run)
-        elif run.action == "train" and why != "new":
-            print(f"{run_name(run)}: trained afresh: {why}", flush=True)
+        elif run.action == "train" and reasons[id(run)] != "new":
+            print(f"{run_name(run)}: trained afresh: {reasons[id(run)]}", flush=True)
     todo = [run for run in every_run if run.action != "reuse"]
     at_a_time = f", {jobs} at a time" if jobs > 1 else ""
     print(f"{len(every_run)} runs: {len(every_run) - len(todo)} finished before, {len(todo)} to train "

@@ -64,7 +64,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import visattn
-from visattn.experiments.execute import add_grid_arguments, check_grid_arguments, config_differences, run_grid
+from visattn.experiments.execute import (
+    add_grid_arguments, check_grid_arguments, choose_action, config_differences, run_grid,
+)
 from visattn.experiments.plan import (
     TABLE_FLAGS, Grid, Row, Run, expected_config, flag_names, parse_rows, plan, run_folder, split_at_separator,
     train_flags_problem,
@@ -76,7 +78,7 @@ from visattn.experiments.transfer_table import (
 )
 from visattn.models import TIMM_ATTENTION, create_model
 from visattn.models.linearize import trainable_attention_parameters
-from visattn.predict import read_model_file
+from visattn.predict import BEST_WEIGHTS, read_model_file
 from visattn.train import CONFIG_FILE, SUMMARY_FILE, ConfigError, TrainConfig
 from visattn.train.transfer import PARENT_ATTENTION
 
@@ -282,6 +284,13 @@ def plan_table(args: argparse.Namespace, train_args: list[str]) -> tuple[Transfe
     return table, runs
 
 
+def parents_without_weights(table: TransferTable, runs: list[Run], retrain: bool) -> list[Path]:
+    """The parents whose best weights are not there while a run of their seed is to be trained."""
+    seeds = {run.seed for run in runs if choose_action(run, retrain)[0] != "reuse"}
+    return [parent.run_dir for seed, parent in table.parents.items()
+            if seed in seeds and not (parent.run_dir / BEST_WEIGHTS).is_file()]
+
+
 def main(argv: list[str] | None = None) -> int:
     args, train_args = parse_args(argv)
     try:
@@ -297,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
             if row.train_flags == PROJECTIONS:
                 print(f"{row.text}: adds no parameters to the parent's qkv, proj and norms: its transfer trains those "
                       "(--transfer-projections)", flush=True)
+    if not args.tables_only:
+        missing = parents_without_weights(table, runs, args.retrain)
+        if missing:
+            print(f"error: --parent: {missing[0]} has no {BEST_WEIGHTS} (a run copied without its weights?), which "
+                  "its seed's runs start from; accepted: a finished run with its best weights", file=sys.stderr)
+            return 2
     output = Path(args.output)
     try:
         run_grid(runs, args.retrain, lambda: write_transfer(output, table, command), train=not args.tables_only,
