@@ -30,8 +30,9 @@ from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
 from visattn.train.attention import resolve_attention
 from visattn.train.build import (
-    build_accelerator, build_criterion, build_loaders, build_mixup, build_model, build_optimizer, build_scheduler,
-    compile_backend, compile_model, default_cpu_threads, load_data, measure_loader, process_state, worker_notice,
+    add_adapters, build_accelerator, build_criterion, build_loaders, build_mixup, build_model, build_optimizer,
+    build_scheduler, compile_backend, compile_model, default_cpu_threads, load_data, measure_loader, process_state,
+    worker_notice,
 )
 from visattn.train.cli import RunOptions, finished_run_line, resolve_config
 from visattn.train.config import ConfigError, TrainConfig
@@ -63,13 +64,15 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
     splits, image_check = load_data(accelerator, config, options.download)
     set_seed(config.seed)  # the same initial weights on every process
     model = build_model(config, splits.num_classes)
+    if initial is not None:
+        for line in load_initial_weights(model, initial):
+            accelerator.print(line)
+    for line in add_adapters(config, model):  # on the loaded weights (a resumed run: before its checkpoint loads)
+        accelerator.print(line)
     model_kwargs = config.model_kwargs_for_timm(splits.num_classes)
     train_loader, val_loader, eval_loader = build_loaders(config, splits, accelerator.num_processes)
     optimizer = build_optimizer(config, model)
     transfer_optimizer = build_transfer_optimizer(config, model) if config.transfer_epochs else None
-    if initial is not None:
-        for line in load_initial_weights(model, initial):
-            accelerator.print(line)
     ckpt.check_run_dir(run_dir, options.resume, options.overwrite)  # before the lock file lands there
     if main:  # one run writes into a run directory at a time; a second one stops here
         held.enter_context(ckpt.RunLock(run_dir))

@@ -36,6 +36,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from visattn.layers import GridAttention
 from visattn.models.convert import CARRIED_MODULES, convert
+from visattn.models.lora import is_adapter
 
 TRANSFER_MODES = ("joint", "layerwise")
 
@@ -51,11 +52,11 @@ class TransferResult:
 
 def trainable_attention_parameters(student: VisionTransformer, train_projections: bool = False) -> list[list[nn.Parameter]]:
     """Per block of ``student``, the parameters attention transfer trains: those its attention layer adds
-    to the carried modules (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``proj``), and those too with
-    ``train_projections``."""
+    to the carried modules (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``proj``) and the low-rank adapters on
+    those (:mod:`visattn.models.lora`), and the carried modules' own too with ``train_projections``."""
     return [
         [param for name, param in block.attn.named_parameters()
-         if train_projections or name.split(".")[0] not in CARRIED_MODULES]
+         if train_projections or name.split(".")[0] not in CARRIED_MODULES or is_adapter(name)]
         for block in student.blocks
     ]
 

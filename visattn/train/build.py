@@ -20,7 +20,9 @@ from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 from torch.utils.data import DataLoader, RandomSampler
 
-from visattn.models import create_model
+from visattn.models import add_lora, create_model
+from visattn.models.linearize import trainable_attention_parameters
+from visattn.models.lora import freeze_for_lora
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import (
     DataError, DataSplits, ImageCheck, TransformedDataset, build_transform, check_images, describe_unreadable, load_splits,
@@ -137,6 +139,24 @@ def build_model(config: TrainConfig, num_classes: int) -> nn.Module:
         raise ConfigError(f"model {config.model!r} cannot be built from this config: {error}") from None
     model.set_grad_checkpointing(config.grad_checkpointing)
     return model
+
+
+def add_adapters(config: TrainConfig, model: nn.Module) -> list[str]:
+    """With ``lora_rank``: low-rank adapters on the attention projections of ``model`` (its trained weights loaded),
+    every weight frozen but the adapters, the attention's own parameters and the head; a line saying so. None
+    without."""
+    if not config.lora_rank:
+        return []
+    try:
+        adapted = add_lora(model, config.lora_rank, config.lora_alpha)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    own = [param for block in trainable_attention_parameters(model) for param in block]
+    freeze_for_lora(model, [*own, *model.get_classifier().parameters()])
+    trained = sum(param.numel() for param in model.parameters() if param.requires_grad)
+    total = sum(param.numel() for param in model.parameters())
+    return [f"low-rank adapters: rank {config.lora_rank} on {adapted} attention projections (qkv, proj); trained: "
+            f"{trained:,} of {total:,} parameters (the adapters, the attention's own, the head)"]
 
 
 def no_weight_decay_names(model: nn.Module) -> set[str]:

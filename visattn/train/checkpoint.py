@@ -45,6 +45,7 @@ from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from visattn.models import merged_state_dict
 from visattn.train.rundir import (
     CHECKPOINT_NAME,
     CHECKPOINTS,
@@ -411,9 +412,10 @@ def _fsync_dir(path: Path) -> None:
 
 # -- trained weights ----------------------------------------------------------------------------
 def save_weights(accelerator: Accelerator, model: nn.Module, path: Path) -> None:
-    """The model's full state dict as safetensors (crash-safe). Call on every process (FSDP gathers).
+    """The model's full state dict as safetensors (crash-safe), low-rank adapters merged into their weights (a
+    plain model's, which prediction and ``--initial-checkpoint`` load). Call on every process (FSDP gathers).
     RunDirError when the disk refuses the write; the previous file stays."""
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = merged_state_dict(accelerator.get_state_dict(model))
     if accelerator.is_main_process:
         tmp = path.with_name(f".tmp-{path.name}")
         try:

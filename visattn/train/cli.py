@@ -146,6 +146,12 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, RunOptio
             f"--resume cannot change the attention-transfer settings, whose progress the checkpoints hold "
             f"({'; '.join(transfer_changes)}); start a new run (another --run-dir) instead"
         )
+    adapter_changes = [change for change in changes if change.startswith("lora_")]
+    if adapter_changes:
+        raise ConfigError(
+            f"--resume cannot change the low-rank adapters, which the checkpoints hold ({'; '.join(adapter_changes)}); "
+            "start a new run (another --run-dir) instead"
+        )
     config.run_dir = str(run_dir)
     return config, dataclasses.replace(options, precision_note=note), changes
 

@@ -147,6 +147,16 @@ class TrainConfig:
         metadata=_help("attention transfer trains the attention's qkv, proj and norms too, not only the parameters the "
                        "type adds (feature_map=learned, dwconv_kernel, decay)"),
     )
+    lora_rank: int = field(
+        default=0,
+        metadata=_help("low-rank adapters of this rank on every attention qkv and proj, the model's trained weights "
+                       "frozen but the attention's own parameters and the head (and attention transfer trains the "
+                       "adapters); the saved weights have them merged in; 0: off (train every weight)"),
+    )
+    lora_alpha: float | None = field(
+        default=None,
+        metadata=_help("the adapters' update is scaled by lora_alpha / lora_rank; none: lora_rank (a scale of 1)"),
+    )
     # optimisation
     epochs: int = field(default=26, metadata=_help("training epochs"))
     batch_size: int = field(default=32, metadata=_help("images per process per step"))
@@ -323,6 +333,15 @@ def check_values(config: TrainConfig) -> None:
         raise ConfigError(
             "transfer_epochs: attention transfer learns from trained softmax weights; give --initial-checkpoint or --pretrained"
         )
+    _at_least("lora_rank", config.lora_rank, 0)
+    if config.lora_alpha is not None and not config.lora_alpha > 0:
+        raise ConfigError(f"lora_alpha: must be > 0 or none, got {config.lora_alpha}")
+    if config.lora_rank and config.initial_checkpoint is None and not config.pretrained:
+        raise ConfigError("lora_rank: adapters fine-tune trained weights, which stay frozen; give --initial-checkpoint "
+                          "or --pretrained, or lora_rank 0 to train from scratch")
+    if config.lora_rank and config.transfer_projections:
+        raise ConfigError("transfer_projections: trains the attention's qkv and proj, which lora_rank keeps frozen (its "
+                          "transfer trains their adapters); give one or the other")
     if config.transfer_epochs and config.attn == TIMM_ATTENTION:
         raise ConfigError(f"transfer_epochs: attn {TIMM_ATTENTION!r} keeps timm's Attention; give the type to transfer to")
     if config.clip_grad is not None and not config.clip_grad > 0:

@@ -20,6 +20,7 @@ from timm.scheduler.scheduler import Scheduler
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from visattn.models.lora import adapted_state_dict
 from visattn.predict import BEST_WEIGHTS, LAST_WEIGHTS, MODEL_FILE
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
@@ -318,7 +319,8 @@ def test_best_weights(run: Training) -> dict[str, float]:
         return {key: run.state["history"][-1][f"test_{key}"] for key in ("loss", "acc", "samples")}
     accelerator = run.accelerator
     accelerator.wait_for_everyone()  # the main process has written the best weights
-    accelerator.unwrap_model(run.model).load_state_dict(load_file(str(run.run_dir / BEST_WEIGHTS)))
+    model = accelerator.unwrap_model(run.model)
+    model.load_state_dict(adapted_state_dict(model, load_file(str(run.run_dir / BEST_WEIGHTS))))
     return evaluate(accelerator, run.model, run.eval_loader)
 
 
