@@ -125,6 +125,16 @@ def test_a_type_with_nothing_to_learn_transfers_its_projections_and_says_so(fold
     assert "| linear (feature_map=learned) | attention transfer, 1 epoch |" in text
 
 
+def test_with_low_rank_adapters_every_type_transfers_through_them(folder, tmp_path):
+    args, train_args = transfer.parse_args(["--parent", str(folder / "parent"), "--attn", *ROWS, "--run-root",
+                                            str(tmp_path / "runs"), "--", "--lora-rank", "2"])
+    table, runs = transfer.plan_table(args, train_args)
+    assert [row.train_flags for row in table.rows] == [(), ()]  # axial too: no --transfer-projections
+    assert {expected_config(run.argv).lora_rank for run in runs} == {2}
+    assert "Low-rank adapters (lora_rank 2) on every qkv and proj: the transfer trains them too" in transfer_table.note(
+        table, "cmd", [])
+
+
 def test_the_runs_from_scratch_are_read_from_their_run_root(folder):
     scratch = folder / "scratch" / "axial" / "seed0"
     acc = read_json(scratch / "summary.json")["test_acc"]

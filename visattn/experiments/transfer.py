@@ -205,7 +205,10 @@ def read_parents(paths: dict[int, Path]) -> dict[int, FinishedRun]:
 
 def adds_parameters(config: TrainConfig, num_classes: int) -> bool:
     """Whether the attention of ``config``'s model has parameters besides those it carries from its parent
-    (``qkv``, ``proj``, norms): what attention transfer trains without ``transfer_projections``."""
+    (``qkv``, ``proj``, norms): what attention transfer trains without ``transfer_projections`` (with
+    ``lora_rank``, the adapters on those: something to train for every type)."""
+    if config.lora_rank:
+        return True
     try:
         model = create_model(config.model, **config.model_kwargs_for_timm(num_classes))
     except (ValueError, TypeError) as error:

@@ -300,6 +300,9 @@ def note(table: TransferTable, command: str, lines: list[Line]) -> str:
         "Transfer trains the parameters each type adds to the parent's qkv, proj and norms; a transfer stage marked "
         "\"qkv, proj and norms too\" trains those as well (--transfer-projections: a type that adds none, or every "
         "row where the command asks for it).",
+        *([f"Low-rank adapters (lora_rank {runs_config.lora_rank}) on every qkv and proj: the transfer trains them "
+           "too, and the fine-tune trains only them, the attention's own parameters and the head, the parent's other "
+           "weights frozen."] if runs_config.lora_rank else []),
         f"From scratch: the runs of the same type in `{table.from_scratch_root}` (an accuracy table's run root)."
         if table.from_scratch_root is not None else
         "From scratch: not shown (--from-scratch-root names an accuracy table's run root of the same types).",
