@@ -7,7 +7,7 @@ import torch
 
 from visattn.models import add_lora, convert, create_model, merged_state_dict
 from visattn.models.linearize import trainable_attention_parameters
-from visattn.models.lora import freeze_for_lora
+from visattn.models.lora import adapted_state_dict, freeze_for_lora
 
 TINY_VIT = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=5)
 
@@ -45,9 +45,43 @@ def test_the_merged_weights_are_a_plain_model_that_computes_what_the_adapted_one
     torch.testing.assert_close(delta, 2.0 * lora.up @ lora.down)  # alpha / rank = 2
 
 
+def test_merged_weights_loaded_into_a_model_with_adapters_compute_what_a_plain_model_does():
+    """What a run does for its final test: the best weights, saved merged, loaded into the model it trains,
+    whose adapters have moved on since."""
+    trained, images = tiny("linear"), torch.randn(2, 3, 16, 16)
+    add_lora(trained, rank=2)
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if name.endswith((".up", ".down")):
+                param.normal_()
+    merged = merged_state_dict(trained.state_dict())
+    plain = tiny("linear")
+    plain.load_state_dict(merged)
+    moved_on = tiny("linear")
+    add_lora(moved_on, rank=2)
+    with torch.no_grad():
+        for name, param in moved_on.named_parameters():
+            if name.endswith((".up", ".down")):
+                param.normal_()
+    moved_on.load_state_dict(adapted_state_dict(moved_on, merged))
+    assert torch.equal(moved_on(images), plain(images))
+    # a model without adapters takes the plain weights as they are
+    assert adapted_state_dict(plain, merged) == merged
+
+
 def test_a_state_dict_without_adapters_is_its_own_merge():
     state = tiny().state_dict()
     assert merged_state_dict(state) == state
+    # another parametrization's weight is left as it is
+    other = {"a.parametrizations.weight.original": torch.ones(2, 2), "a.parametrizations.weight.0.base": torch.ones(2)}
+    assert merged_state_dict(other) == other
+
+
+def test_adapters_are_added_once():
+    model = tiny()
+    add_lora(model, rank=1)
+    with pytest.raises(ValueError, match="^lora_rank: the attention projections already have adapters"):
+        add_lora(model, rank=1)
 
 
 def test_with_adapters_only_they_the_attention_s_own_parameters_and_the_head_train():
@@ -77,8 +111,8 @@ def test_a_converted_timm_vit_takes_adapters():
 
 
 @pytest.mark.parametrize("rank, alpha, message", [
-    (0, None, "lora_rank: at least 1, got 0"),
-    (2.5, None, "lora_rank: at least 1, got 2.5"),
+    (0, None, "lora_rank: an integer, at least 1, got 0"),
+    (2.5, None, "lora_rank: an integer, at least 1, got 2.5"),
     (2, 0.0, "lora_alpha: above 0, got 0.0"),
 ])
 def test_bad_ranks_and_alphas_are_refused_in_one_line(rank, alpha, message):

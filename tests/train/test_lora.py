@@ -3,6 +3,7 @@ trained weights frozen; the saved weights merged (a plain model that predicts), 
 whole run ends, and the settings it refuses, each in one line."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -16,11 +17,13 @@ import train  # the script at the repository root, importable from there as pyte
 from tests.helpers import TINY
 from visattn.predict import load_predictor, predict
 from visattn.train.config import ConfigError, make_config
+from visattn.train.initial import read_state_dict
 
 # 6 transfer updates (the adapters and the learned maps) and 12 fine-tune updates; a checkpoint every 3.
 ADAPTED = [
     *TINY, "--attn", "linear", "--attn-kwargs", "feature_map=learned", "--transfer-epochs", "1", "--transfer-lr", "1e-2",
     "--epochs", "2", "--lr", "1e-2", "--lora-rank", "2", "--save-every", "3", "--keep-checkpoints", "20",
+    "--test-every-epoch",
 ]
 
 
@@ -53,6 +56,26 @@ def test_the_trained_weights_stay_and_the_projections_move_by_a_low_rank_update(
             assert torch.equal(weights[key], source[key]), key
 
 
+def test_the_reported_test_accuracy_is_the_best_epoch_s_weights_loaded_back(runs):
+    """The best weights, saved merged, are loaded back into the model with adapters for the final test: it
+    computes what it computed at that epoch, whose test the run recorded then."""
+    _, run_dir = runs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert history[summary["best_epoch"] - 1]["test_acc"] == summary["test_acc"]
+    assert history[summary["best_epoch"] - 1]["test_loss"] == pytest.approx(summary["test_loss"], rel=1e-6)
+
+
+def test_a_checkpoint_s_weights_start_a_run_as_the_saved_weights_do(runs):
+    """A checkpoint holds the adapters apart; read as initial weights, they are merged."""
+    _, run_dir = runs
+    last = sorted((run_dir / "checkpoints").iterdir())[-1] / "model.safetensors"
+    assert any("parametrizations" in key for key in load_file(str(last)))
+    merged, expected = read_state_dict(last, "initial_checkpoint"), load_file(str(run_dir / "model_last.safetensors"))
+    assert merged.keys() == expected.keys()
+    assert all(torch.equal(merged[key], expected[key]) for key in expected)
+
+
 def test_predict_loads_the_adapted_run(runs, tmp_path):
     _, run_dir = runs
     predictor = load_predictor(run_dir, "best", device="cpu")
@@ -83,9 +106,10 @@ def test_resume_refuses_changed_adapters(runs, tmp_path, capsys):
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
     before = sorted(p.relative_to(resumed) for p in resumed.rglob("*"))
-    assert train.main(["--run-dir", str(resumed), "--resume", "--lora-alpha", "8"]) != 0
+    parent, _ = runs
+    assert train.main(["--run-dir", str(resumed), "--resume", "--lora-rank", "4", "--initial-checkpoint", str(parent)]) != 0
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--resume cannot change the low-rank adapters" in error and "lora_alpha: None -> 8.0" in error
+    assert "--resume cannot change the low-rank adapters" in error and "lora_rank: 2 -> 4" in error
     assert sorted(p.relative_to(resumed) for p in resumed.rglob("*")) == before
 
 
@@ -93,6 +117,7 @@ def test_resume_refuses_changed_adapters(runs, tmp_path, capsys):
     (dict(lora_rank=2), "lora_rank: adapters fine-tune trained weights, which stay frozen; give --initial-checkpoint"),
     (dict(lora_rank=-1), "lora_rank: must be >= 0, got -1"),
     (dict(lora_rank=2, initial_checkpoint="x", lora_alpha=0.0), "lora_alpha: must be > 0 or none, got 0.0"),
+    (dict(lora_alpha=16.0), "lora_alpha: has no effect without lora_rank; give --lora-rank R too, or drop it"),
     (dict(lora_rank=2, initial_checkpoint="x", transfer_projections=True),
      "transfer_projections: trains the attention's qkv and proj, which lora_rank keeps frozen"),
 ])

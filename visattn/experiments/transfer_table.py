@@ -295,7 +295,8 @@ def note(table: TransferTable, command: str, lines: list[Line]) -> str:
         "these included).",
         *(["Seconds are each line's on the kind of device its runs trained on, named beside them: a GPU's and a "
            "CPU's are not compared."] if len({line.device for line in lines if line.seconds is not None}) > 1 else []),
-        *(["Seconds read — in a line whose seeds (or a run's stages) trained on different kinds of device."]
+        *(["Seconds read — in a line whose seeds (or a run's stages) trained on different kinds of device, or where "
+           "one did not record its device."]
           if any(line.mixed_devices for line in lines) else []),
         "Transfer trains the parameters each type adds to the parent's qkv, proj and norms; a transfer stage marked "
         "\"qkv, proj and norms too\" trains those as well (--transfer-projections: a type that adds none, or every "

@@ -55,7 +55,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None) -> int:
     the update's scale times ``rank``; None: ``rank``, a scale of 1); returns how many weights were adapted.
     ValueError (one line) for a rank below 1, an alpha not above 0, or a model without such projections."""
     if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"lora_rank: at least 1, got {rank!r}")
+        raise ValueError(f"lora_rank: an integer, at least 1, got {rank!r}")
     alpha = float(rank) if alpha is None else alpha
     if not alpha > 0:
         raise ValueError(f"lora_alpha: above 0, got {alpha!r}")
@@ -64,6 +64,9 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None) -> int:
     if not targets:
         raise ValueError(f"lora_rank: {type(model).__name__} has no blocks with attention {'/'.join(ADAPTED_MODULES)} "
                          "linear layers to adapt; accepted: a timm VisionTransformer")
+    if any(parametrize.is_parametrized(linear, "weight") for linear in targets):
+        raise ValueError("lora_rank: the attention projections already have adapters (or another parametrization "
+                         "of their weights); accepted: a model without, adapters added once")
     for linear in targets:
         weight = linear.weight
         parametrize.register_parametrization(linear, "weight", LowRankDelta(
@@ -73,11 +76,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None) -> int:
 
 def is_adapter(name: str) -> bool:
     """Whether a parameter or state-dict name is an adapter's (``down``, ``up``, ``scale``)."""
-    return _ADAPTER in name
-
-
-def has_lora(model: nn.Module) -> bool:
-    return any(is_adapter(name) for name, _ in model.named_parameters())
+    return _ADAPTER in name and name.rsplit(".", 1)[-1] in ("down", "up", "scale")
 
 
 def freeze_for_lora(model: nn.Module, trained: list[nn.Parameter]) -> None:
@@ -94,11 +93,10 @@ def merged_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
     for key, value in state_dict.items():
         if is_adapter(key):
             continue
-        if key.endswith(_ORIGINAL):
-            module = key[: -len(_ORIGINAL)]
-            prefix = f"{module}{_ADAPTER}"
+        prefix = f"{key[: -len(_ORIGINAL)]}{_ADAPTER}"
+        if key.endswith(_ORIGINAL) and f"{prefix}up" in state_dict:
             up, down, scale = (state_dict[prefix + part] for part in ("up", "down", "scale"))
-            merged[f"{module}.weight"] = value + scale * (up @ down)
+            merged[f"{key[: -len(_ORIGINAL)]}.weight"] = value + scale * (up @ down)
         else:
             merged[key] = value
     return merged

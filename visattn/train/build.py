@@ -20,9 +20,9 @@ from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 from torch.utils.data import DataLoader, RandomSampler
 
-from visattn.models import add_lora, create_model
+from visattn.models import create_model
 from visattn.models.linearize import trainable_attention_parameters
-from visattn.models.lora import freeze_for_lora
+from visattn.models.lora import add_lora, freeze_for_lora
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import (
     DataError, DataSplits, ImageCheck, TransformedDataset, build_transform, check_images, describe_unreadable, load_splits,

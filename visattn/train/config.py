@@ -336,6 +336,8 @@ def check_values(config: TrainConfig) -> None:
     _at_least("lora_rank", config.lora_rank, 0)
     if config.lora_alpha is not None and not config.lora_alpha > 0:
         raise ConfigError(f"lora_alpha: must be > 0 or none, got {config.lora_alpha}")
+    if config.lora_alpha is not None and not config.lora_rank:
+        raise ConfigError("lora_alpha: has no effect without lora_rank; give --lora-rank R too, or drop it")
     if config.lora_rank and config.initial_checkpoint is None and not config.pretrained:
         raise ConfigError("lora_rank: adapters fine-tune trained weights, which stay frozen; give --initial-checkpoint "
                           "or --pretrained, or lora_rank 0 to train from scratch")

@@ -26,7 +26,7 @@ from huggingface_hub import try_to_load_from_cache
 from safetensors import SafetensorError
 from timm.models import get_pretrained_cfg, load_state_dict, load_state_dict_from_hf
 
-from visattn.models import MODEL_SHAPES, load_weights
+from visattn.models import MODEL_SHAPES, load_weights, merged_state_dict
 from visattn.predict import BEST_WEIGHTS
 from visattn.train.rundir import is_run_dir
 from visattn.train.config import ConfigError, TrainConfig
@@ -91,8 +91,10 @@ def read_initial_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def read_state_dict(file: Path, what: str) -> dict[str, torch.Tensor]:
+    """The state dict in ``file``, low-rank adapters merged into their weights (a checkpoint of a run with
+    adapters holds them apart)."""
     try:
-        state_dict = load_state_dict(str(file), weights_only=True)
+        state_dict = merged_state_dict(load_state_dict(str(file), weights_only=True))
     except pickle.UnpicklingError:
         raise ConfigError(
             f"{what}: {file} holds pickled objects besides tensors, which torch.load(weights_only=True) refuses; "
