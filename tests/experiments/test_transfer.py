@@ -131,8 +131,10 @@ def test_with_low_rank_adapters_every_type_transfers_through_them(folder, tmp_pa
     table, runs = transfer.plan_table(args, train_args)
     assert [row.train_flags for row in table.rows] == [(), ()]  # axial too: no --transfer-projections
     assert {expected_config(run.argv).lora_rank for run in runs} == {2}
-    assert "Low-rank adapters (lora_rank 2) on every qkv and proj: the transfer trains them too" in transfer_table.note(
-        table, "cmd", [])
+    words = transfer_table.note(table, "cmd", [])
+    assert "Low-rank adapters (lora_rank 2) on every qkv and proj: the transfer trains them too" in words
+    assert "fine-tuning with low-rank adapters (below) with the parent's recipe" in words
+    assert "the whole model" not in words
 
 
 def test_the_runs_from_scratch_are_read_from_their_run_root(folder):

@@ -279,8 +279,9 @@ def note(table: TransferTable, command: str, lines: list[Line]) -> str:
         f"`{command}`: {runs_config.dataset} {where}; seeds {', '.join(map(str, table.parents))}.",
         f"Each run starts from its seed's parent's best weights, converted to the row's attention; with transfer, "
         f"{epochs_words(table.transfer_epochs)} of attention transfer, then in both arms {epochs_words(last)} of "
-        "fine-tuning the whole model with the parent's recipe (and the flags after --), the test split evaluated "
-        "after every epoch (train.py --test-every-epoch).",
+        f"fine-tuning {'with low-rank adapters (below)' if runs_config.lora_rank else 'the whole model'} with the "
+        "parent's recipe (and the flags after --), the test split evaluated after every epoch (train.py "
+        "--test-every-epoch).",
         *([f"Epoch k of {last} is epoch k of one {last}-epoch schedule, not a k-epoch fine-tune of its own (whose "
            "learning rate would have decayed by then): every k is of the same run, and each run costs one transfer "
            f"and {epochs_words(last)}."] if len(table.finetune_epochs) > 1 else []),
