@@ -300,8 +300,8 @@ def note(table: TransferTable, command: str, lines: list[Line]) -> str:
            "one did not record its device."]
           if any(line.mixed_devices for line in lines) else []),
         "Transfer trains the parameters each type adds to the parent's qkv, proj and norms; a transfer stage marked "
-        "\"qkv, proj and norms too\" trains those as well (--transfer-projections: a type that adds none, or every "
-        "row where the command asks for it).",
+        f"\"qkv, proj and norms too\" trains those as well (--transfer-projections: a type that adds none"
+        f"{' and has no adapters' if runs_config.lora_rank else ''}, or every row where the command asks for it).",
         *([f"Low-rank adapters (lora_rank {runs_config.lora_rank}) on every qkv and proj: the transfer trains them "
            "too, and the fine-tune trains only them, the attention's own parameters and the head, the parent's other "
            "weights frozen."] if runs_config.lora_rank else []),
