@@ -15,6 +15,7 @@ from timm.layers import Attention
 
 import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.experiments import accuracy, execute, plan, report, summarise
+from visattn.experiments.variants import VARIANTS
 from visattn.layers import GridAttention
 from visattn.predict import load_trained_model
 from visattn.train.config import config_yaml
@@ -124,6 +125,29 @@ def test_seeds_on_a_gpu_and_a_cpu_give_no_median_time_or_memory():
     assert "kinds of device" not in one_device
     on_gpu.previous = synthetic_run("axial", 0, 0.90)  # a first stage on the CPU, the last on a GPU
     assert summarise.summarize_row(plan.parse_rows(["axial"])[0], [on_gpu]).mixed_devices
+
+
+def test_rows_on_different_kinds_of_device_name_theirs_and_are_not_compared():
+    """Each row on one kind of device, the rows on two: each row's images/s names its device, and the speed-up
+    over timm is given only where both ran on the same kind."""
+    runs = [synthetic_run("timm", 0, 0.9, images_per_s=200), synthetic_run("axial", 0, 0.97, images_per_s=300),
+            synthetic_run("linear", 0, 0.9, images_per_s=30)]
+    for run in runs[:2]:
+        run.summary["mem_kind"] = "cuda_allocated"
+    results = summarise.summarize_rows(plan.parse_rows(["timm", "axial", "linear"]), runs)
+    lines = report.accuracy_markdown(results, runs, recipe(), "python -m visattn.experiments.accuracy").splitlines()
+    assert lines[2:5] == ["| timm | 90.00% (1) | 0 | 200 (GPU) | 16.0 | 1,000 | 1.00× | yes |",
+                          "| axial | 97.00% (1) | 0 | 300 (GPU) | 16.0 | 1,000 | 1.50× | yes |",
+                          "| linear | 90.00% (1) | 0 | 30.0 (CPU) | 16.0 | 1,000 | — | yes |"]
+    assert "named beside its images/s: a GPU's and a CPU's are not compared." in lines[-1]
+    same = report.accuracy_markdown(results[:2], runs[:2], recipe(), "python -m visattn.experiments.accuracy")
+    assert "(GPU)" not in same and "named beside" not in same
+    # the summary over variants of the data: each row's seconds for all stages, named the same way
+    variants = [(VARIANTS["tune-base"], results[1:2]), (VARIANTS["held-dense"], results[2:])]
+    summary = report.variants_markdown(variants, Path("t.md"), "cmd").splitlines()
+    assert summary[4].endswith("| 40 (GPU) | 0 |") and summary[5].endswith("| 40 (CPU) | 0 |")
+    assert "on the kind of device named beside them: a GPU's and a CPU's are not compared" in summary[-1]
+    assert "(GPU)" not in report.variants_markdown(variants[:1], Path("t.md"), "cmd")
 
 
 def test_markdown_has_every_column_and_the_speedup_over_timm():

@@ -13,7 +13,7 @@ from typing import Any
 from visattn.experiments.larger_size import MOST_CONFIDENT, SECOND_STAGE, TRAINED, UPSAMPLED, WHOLE, Evaluation, columns, tiled_column
 from visattn.experiments.plan import Run, all_runs, expected_config
 from visattn.experiments.plot import plot
-from visattn.experiments.summarise import RowResult, device_kinds, epoch_seconds, run_epochs_at_chance
+from visattn.experiments.summarise import DEVICE_WORDS, RowResult, device_kinds, epoch_seconds, run_epochs_at_chance
 from visattn.experiments.variants import Variant, group_of
 from visattn.models import TIMM_ATTENTION
 from visattn.train import TrainConfig
@@ -76,9 +76,12 @@ def accuracy_markdown(results: list[RowResult], runs: list[Run], recipe: TrainCo
         f"{'peak GPU memory' if on_gpu else 'peak memory'} (MiB) | speed-up over timm | runs at {tokens} |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
+    # Rows measured on different kinds of device name theirs beside their speed: a GPU's and a CPU's are not compared.
+    row_kinds = {result.mem_kind for result in results if result.mem_kind is not None}
     for result in results:
         speedup = (
-            f"{result.images_per_s / reference:.2f}×" if reference and result.images_per_s is not None else "—"
+            f"{result.images_per_s / reference:.2f}×"
+            if reference and result.images_per_s is not None and result.mem_kind == timm.mem_kind else "—"
         )
         status = result.status
         if status == "failed":
@@ -89,7 +92,8 @@ def accuracy_markdown(results: list[RowResult], runs: list[Run], recipe: TrainCo
             if failed.cause is not failed:
                 status = f"no: out of memory in stage {failed.cause.stage} (see `{failed.failed_log}`)"
         lines.append(
-            f"| {result.row.label} | {accuracy_cell(result)} | {chance_cell(result)} | {_rate(result.images_per_s)} | "
+            f"| {result.row.label} | {accuracy_cell(result)} | {chance_cell(result)} | "
+            f"{device_named(_rate(result.images_per_s), result, len(row_kinds) > 1)} | "
             f"{_number(result.epoch_s, 1)} | {_number(result.peak_mem_mib)} | {speedup} | {status} |"
         )
     memory = (
@@ -113,9 +117,18 @@ def accuracy_markdown(results: list[RowResult], runs: list[Run], recipe: TrainCo
         "the timm row's (timm's own Attention in the same ViT), from runs that may have shared the machine with "
         "the grid's other runs: how fast a type trains is the benchmark's figure (visattn-bench), not this column's."
     )
+    if len(row_kinds) > 1:
+        note += (" Each row's speed, seconds and memory are on the kind of device named beside its images/s: a GPU's "
+                 "and a CPU's are not compared.")
     if any(result.mixed_devices for result in results):
         note += " Speed, seconds and memory read — in a row whose seeds ran on different kinds of device."
     return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def device_named(cell: str, result: RowResult, named: bool) -> str:
+    """``cell`` followed by the row's kind of device where ``named`` (a table whose rows ran on several)."""
+    word = DEVICE_WORDS.get(result.mem_kind)
+    return f"{cell} ({word})" if named and word and cell != "—" else cell
 
 
 def curriculum(runs: list[Run]) -> str:
@@ -193,13 +206,17 @@ def variants_markdown(per_variant: list[tuple[Variant, list[RowResult]]], output
         "epochs at chance |",
         "|---|---|---|---:|---:|---:|",
     ]
+    row_kinds = {result.mem_kind for _, results in per_variant for result in results if result.mem_kind is not None}
     for variant, results in per_variant:
         for result in results:
             lines.append(f"| {variant.name} | {group_of(variant)} | {result.row.label} | {accuracy_cell(result)} | "
-                         f"{_number(result.all_stages_s)} | {chance_cell(result)} |")
+                         f"{device_named(_number(result.all_stages_s), result, len(row_kinds) > 1)} | "
+                         f"{chance_cell(result)} |")
     tables = ", ".join(f"[{variant.name}]({variant_output(output, variant).name})" for variant, _ in per_variant)
     mixed = (" (— where they ran on different kinds of device)"
              if any(result.mixed_devices for _, results in per_variant for result in results) else "")
+    if len(row_kinds) > 1:
+        mixed += ", on the kind of device named beside them: a GPU's and a CPU's are not compared"
     note = (
         "Recipe decisions are made on the tuning variants and reported on the held-out ones, which are not changed "
         "once a result on them has been seen (visattn/experiments/variants.py). Test accuracy of the weights chosen on validation; seconds: "

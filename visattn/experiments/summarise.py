@@ -95,6 +95,7 @@ class RowResult:
     peak_mem_mib: float | None
     status: str  # "yes", "no: out of memory", "failed", "not run yet"
     mixed_devices: bool = False  # its finished seeds ran on different kinds of device: no median of time or memory
+    mem_kind: str | None = None  # the one kind of device its finished seeds ran on, as their summaries name it
 
     @property
     def count(self) -> int:
@@ -111,6 +112,10 @@ def median_of_known(values: list[float | None]) -> float | None:
     """The median of the values that are not None (None if there is none)."""
     values = [value for value in values if value is not None]
     return statistics.median(values) if values else None
+
+
+# The kind of device a run trained on, by the memory its summary names ("mem_kind").
+DEVICE_WORDS = {"cuda_allocated": "GPU", "cpu_peak_rss": "CPU"}
 
 
 def device_kinds(runs: list[Run]) -> set[str | None]:
@@ -138,7 +143,7 @@ def summarize_row(row: Row, runs: list[Run]) -> RowResult:
         images_per_s=median_of_known([run.summary["images_per_s"] for run in timed]),
         epoch_s=median_of_known([epoch_seconds(run.history) for run in timed]),
         peak_mem_mib=median_of_known([run.summary["peak_mem_mib"] for run in timed]),
-        status=status, mixed_devices=bool(finished) and not timed,
+        status=status, mixed_devices=bool(finished) and not timed, mem_kind=next(iter(kinds)) if timed else None,
     )
 
 

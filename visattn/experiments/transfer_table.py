@@ -12,15 +12,15 @@ from typing import Any
 
 from visattn.experiments.plan import Row, Run, expected_config
 from visattn.experiments.report import median_range
-from visattn.experiments.summarise import FinishedRun, epoch_time, median_of_known, read_records, started_from
+from visattn.experiments.summarise import (
+    DEVICE_WORDS, FinishedRun, epoch_time, median_of_known, read_records, started_from,
+)
 from visattn.train import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRANSFER_METRICS_FILE, TrainConfig, make_config, read_yaml
 
 CONVERTED = "converted"
 TRANSFER = "transfer"
 # train.py flags of a row of the transfer arm whose transfer also trains the attention's qkv, proj and norms.
 PROJECTIONS = ("--transfer-projections",)
-# The kind of device a run trained on, by the memory its summary names ("mem_kind").
-DEVICE_WORDS = {"cuda_allocated": "GPU", "cpu_peak_rss": "CPU"}
 
 
 def epoch_stage(epoch: int) -> str:
