@@ -576,13 +576,9 @@ def test_jobs_below_one_is_refused(jobs, capsys):
     assert f"--jobs: at least 1 process at a time, got {jobs}" in capsys.readouterr().err
 
 
-def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, monkeypatch, capsys):
-    _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2")
-    for run in plan.all_runs(runs):
-        finish(run, 0.5)
-    timm0 = runs[0]
-    (timm0.previous.run_dir / "summary.json").unlink()
-    (timm0.previous.run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)  # the first stage was stopped
+def staged_grid_trained_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The two-stage grid of :func:`planned` run by the runner, train.py a stand-in that finishes each run it is
+    given; the last three words of each train.py command, in the order run."""
     commands = []
 
     def fake_train(command, **kwargs):
@@ -597,6 +593,17 @@ def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, 
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
             "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
     assert accuracy.main(argv) == 0
+    return commands
+
+
+def test_a_second_stage_whose_first_is_trained_again_is_trained_again(tmp_path, monkeypatch, capsys):
+    _, _, runs = planned(tmp_path, "--stage", "--img-size 8 --epochs 2")
+    for run in plan.all_runs(runs):
+        finish(run, 0.5)
+    timm0 = runs[0]
+    (timm0.previous.run_dir / "summary.json").unlink()
+    (timm0.previous.run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)  # the first stage was stopped
+    commands = staged_grid_trained_again(tmp_path, monkeypatch)
     assert commands == [["--run-dir", str(timm0.previous.run_dir), "--resume"],
                         ["--run-dir", str(timm0.run_dir), "--overwrite"]]
     out = capsys.readouterr().out
@@ -615,20 +622,7 @@ def test_a_finished_first_stage_without_its_weights_is_trained_again_for_the_sec
     (timm0.previous.run_dir / "model_best.safetensors").unlink()
     (timm0.run_dir / "summary.json").unlink()  # its second stage never finished here
     (timm1.previous.run_dir / "model_best.safetensors").unlink()  # its second stage finished: nothing to do
-    commands = []
-
-    def fake_train(command, **kwargs):
-        commands.append(command[-3:])
-        run_dir = Path(command[command.index("--run-dir") + 1])
-        (run_dir / "summary.json").write_text(json.dumps(dict(
-            test_acc=0.75, best_acc=0.5, best_epoch=1, epochs=1, images_per_s=48.0, peak_mem_mib=800.0,
-            mem_kind="cpu_peak_rss", wall_time_s=3.0)))
-        return subprocess.CompletedProcess(command, 0)
-
-    monkeypatch.setattr(execute.subprocess, "run", fake_train)
-    argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
-            "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
-    assert accuracy.main(argv) == 0
+    commands = staged_grid_trained_again(tmp_path, monkeypatch)
     assert commands == [["--run-dir", str(timm0.previous.run_dir), "--overwrite"],
                         ["--run-dir", str(timm0.run_dir), "--overwrite"]]
     out = capsys.readouterr().out
