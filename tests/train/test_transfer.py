@@ -123,6 +123,25 @@ def test_resume_from_mid_transfer_ends_where_the_whole_run_ends(runs, tmp_path):
             assert resumed_record[key] == pytest.approx(whole_record[key], rel=1e-5)
 
 
+def test_resume_from_the_last_transfer_checkpoint_keeps_the_transferred_accuracy(runs, tmp_path):
+    """A run stopped after the transfer's last checkpoint, before any fine-tune update: the resumed run reports the
+    accuracy after transfer that the uninterrupted run measured (the checkpoint holds it)."""
+    _, whole = runs
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    for path in (resumed / "checkpoints").iterdir():
+        if path.name != "step_00000006":  # taken after the 6th and last transfer update
+            shutil.rmtree(path)
+    for name in ("model_best.safetensors", "model_last.safetensors", "summary.json"):
+        (resumed / name).unlink()
+    state = json.loads((resumed / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert (state["transfer_epoch"], state["update"]) == (1, 0)
+    assert train.main(["--run-dir", str(resumed), "--resume"]) == 0
+    summary, expected = (json.loads((run / "summary.json").read_text()) for run in (resumed, whole))
+    assert summary["transfer_acc"] == expected["transfer_acc"] == state["transfer_eval_acc"]
+    assert summary["initial_acc"] == expected["initial_acc"]
+
+
 def test_predict_loads_the_transferred_run(runs, tmp_path):
     _, run_dir = runs
     predictor = load_predictor(run_dir, "last", device="cpu")

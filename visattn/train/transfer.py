@@ -82,12 +82,16 @@ class TransferStage:
 
 
 def run_transfer(run: Training, stage: TransferStage) -> None:
-    """The remaining transfer epochs, then the accuracy of the transferred model on the selection split
-    (``transfer_eval_acc`` in the trainer state, ``transfer_acc`` in the summary) and, with ``test_every_epoch``,
-    on the test split (``transfer_test_acc`` in both)."""
+    """The remaining transfer epochs; the last one ends with :func:`evaluate_transferred`."""
     for epoch in range(run.state["transfer_epoch"], run.config.transfer_epochs):
         train_seconds = transfer_epoch(run, stage, epoch)
         finish_transfer_epoch(run, stage, epoch, train_seconds)
+
+
+def evaluate_transferred(run: Training) -> None:
+    """The accuracy of the transferred model on the selection split (``transfer_eval_acc`` in the trainer state,
+    ``transfer_acc`` in the summary) and, with ``test_every_epoch``, on the test split (``transfer_test_acc`` in
+    both)."""
     scores = evaluate(run.accelerator, run.model, run.selection_loader)
     run.state["transfer_eval_acc"] = scores["acc"]
     if run.config.test_every_epoch:
@@ -156,7 +160,8 @@ def transfer_epoch(run: Training, stage: TransferStage, epoch: int) -> float:
 
 
 def finish_transfer_epoch(run: Training, stage: TransferStage, epoch: int, train_time: float) -> None:
-    """Per-block MSE on the selection split; the epoch's record, printed and written; a checkpoint."""
+    """Per-block MSE on the selection split; the epoch's record, printed and written; after the last epoch, the
+    transferred model's accuracy (:func:`evaluate_transferred`); a checkpoint."""
     accelerator, state, split = run.accelerator, run.state, run.selection_split
     eval_started = time.perf_counter()
     held_out = held_out_losses(run, stage.transfer, run.selection_loader)
@@ -179,6 +184,8 @@ def finish_transfer_epoch(run: Training, stage: TransferStage, epoch: int, train
     )
     state.update(transfer_epoch=epoch + 1, transfer_batch=0, transfer_partial_sums=[], transfer_partial_counts=[],
                  transfer_partial_time=0.0)
+    if epoch + 1 == run.config.transfer_epochs:  # before the stage's last checkpoint: a resume from it has them
+        evaluate_transferred(run)
     ckpt.save_checkpoint(accelerator, run.run_dir, state, run.config.keep_checkpoints)
     if accelerator.is_main_process:
         run_log.write_transfer_metrics(run.run_dir, state["transfer_history"])
