@@ -125,8 +125,11 @@ def test_resume_from_mid_transfer_ends_where_the_whole_run_ends(runs, tmp_path):
 
 def test_resume_from_the_last_transfer_checkpoint_keeps_the_transferred_accuracy(runs, tmp_path):
     """A run stopped after the transfer's last checkpoint, before any fine-tune update: the resumed run reports the
-    accuracy after transfer that the uninterrupted run measured (the checkpoint holds it)."""
-    _, whole = runs
+    accuracies after transfer that the uninterrupted run measured (the checkpoint holds them) and ends where it
+    ends."""
+    parent, _ = runs
+    whole = tmp_path / "whole"
+    assert train.main([*TRANSFER, "--initial-checkpoint", str(parent), "--test-every-epoch", "--run-dir", str(whole)]) == 0
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
     for path in (resumed / "checkpoints").iterdir():
@@ -139,7 +142,11 @@ def test_resume_from_the_last_transfer_checkpoint_keeps_the_transferred_accuracy
     assert train.main(["--run-dir", str(resumed), "--resume"]) == 0
     summary, expected = (json.loads((run / "summary.json").read_text()) for run in (resumed, whole))
     assert summary["transfer_acc"] == expected["transfer_acc"] == state["transfer_eval_acc"]
-    assert summary["initial_acc"] == expected["initial_acc"]
+    assert summary["transfer_test_acc"] == expected["transfer_test_acc"] == state["transfer_test_acc"]
+    assert summary["initial_test_acc"] == expected["initial_test_acc"]
+    final, expected_weights = (load_file(str(run / "model_last.safetensors")) for run in (resumed, whole))
+    for key in expected_weights:
+        torch.testing.assert_close(final[key], expected_weights[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_predict_loads_the_transferred_run(runs, tmp_path):
