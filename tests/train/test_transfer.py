@@ -100,16 +100,23 @@ def test_the_parent_computes_what_its_run_trained_rope_included(tmp_path):
     assert torch.equal(parent(images), load_trained_model(parent_dir).eval()(images))
 
 
+def stopped_copy(whole: Path, copy: Path, checkpoint: str, removed: tuple[str, ...]) -> dict:
+    """``whole`` copied to ``copy`` as if stopped just after ``checkpoint``: later checkpoints and the ``removed``
+    files gone. Returns that checkpoint's trainer state."""
+    shutil.copytree(whole, copy)
+    for path in (copy / "checkpoints").iterdir():
+        if path.name != checkpoint:
+            shutil.rmtree(path)
+    for name in removed:
+        (copy / name).unlink()
+    return json.loads((copy / "checkpoints" / checkpoint / "trainer_state.json").read_text())
+
+
 def test_resume_from_mid_transfer_ends_where_the_whole_run_ends(runs, tmp_path):
     parent, whole = runs
     resumed = tmp_path / "resumed"
-    shutil.copytree(whole, resumed)
-    for path in (resumed / "checkpoints").iterdir():
-        if path.name != "step_00000004":  # taken after 4 of the 6 transfer updates
-            shutil.rmtree(path)
-    for name in ("model_best.safetensors", "model_last.safetensors", "summary.json", "transfer_metrics.jsonl"):
-        (resumed / name).unlink()
-    state = json.loads((resumed / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    state = stopped_copy(whole, resumed, "step_00000004",  # taken after 4 of the 6 transfer updates
+                         ("model_best.safetensors", "model_last.safetensors", "summary.json", "transfer_metrics.jsonl"))
     assert (state["transfer_epoch"], state["transfer_batch"], state["transfer_update"], state["update"]) == (0, 4, 4, 0)
     assert train.main(["--run-dir", str(resumed), "--resume"]) == 0
     final, expected = load_file(str(resumed / "model_last.safetensors")), load_file(str(whole / "model_last.safetensors"))
@@ -131,13 +138,8 @@ def test_resume_from_the_last_transfer_checkpoint_keeps_the_transferred_accuracy
     whole = tmp_path / "whole"
     assert train.main([*TRANSFER, "--initial-checkpoint", str(parent), "--test-every-epoch", "--run-dir", str(whole)]) == 0
     resumed = tmp_path / "resumed"
-    shutil.copytree(whole, resumed)
-    for path in (resumed / "checkpoints").iterdir():
-        if path.name != "step_00000006":  # taken after the 6th and last transfer update
-            shutil.rmtree(path)
-    for name in ("model_best.safetensors", "model_last.safetensors", "summary.json"):
-        (resumed / name).unlink()
-    state = json.loads((resumed / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    state = stopped_copy(whole, resumed, "step_00000006",  # taken after the 6th and last transfer update
+                         ("model_best.safetensors", "model_last.safetensors", "summary.json"))
     assert (state["transfer_epoch"], state["update"]) == (1, 0)
     assert train.main(["--run-dir", str(resumed), "--resume"]) == 0
     summary, expected = (json.loads((run / "summary.json").read_text()) for run in (resumed, whole))
