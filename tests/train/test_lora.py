@@ -101,13 +101,15 @@ def test_resume_from_mid_fine_tune_ends_where_the_whole_run_ends(runs, tmp_path)
         torch.testing.assert_close(final[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_resume_refuses_changed_adapters(runs, tmp_path, capsys):
-    _, whole = runs
+@pytest.mark.parametrize("with_initial_checkpoint", [True, False], ids=["initial-checkpoint-given", "saved-one"])
+def test_resume_refuses_changed_adapters(runs, tmp_path, capsys, with_initial_checkpoint):
+    parent, whole = runs
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
     before = sorted(p.relative_to(resumed) for p in resumed.rglob("*"))
-    parent, _ = runs
-    assert train.main(["--run-dir", str(resumed), "--resume", "--lora-rank", "4", "--initial-checkpoint", str(parent)]) != 0
+    # without --initial-checkpoint the flag is valid only beside the run's saved one
+    given = ["--initial-checkpoint", str(parent)] if with_initial_checkpoint else []
+    assert train.main(["--run-dir", str(resumed), "--resume", "--lora-rank", "4", *given]) != 0
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--resume cannot change the low-rank adapters" in error and "lora_rank: 2 -> 4" in error
     assert sorted(p.relative_to(resumed) for p in resumed.rglob("*")) == before

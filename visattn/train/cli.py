@@ -27,6 +27,7 @@ from visattn.train.rundir import CONFIG_FILE, is_run_dir
 from visattn.train.run_log import SUMMARY_FILE
 from visattn.train.config import (
     FIELD_TYPES, MIXED_PRECISION, ConfigError, TrainConfig, changed_keys, check_keys, make_config, read_yaml,
+    run_dir_of,
 )
 from visattn.train.fieldtypes import accepts, accepts_scalar, alternatives, type_name
 
@@ -130,12 +131,13 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, RunOptio
     config takes the place of the defaults, and ``changes`` lists 'key: old -> new' for each saved
     setting the flags or file change. ``config.run_dir`` is always set."""
     from_file, from_flags, options = parse_args(argv)
-    config = make_config(from_file, from_flags)
-    run_dir = config.resolved_run_dir
+    run_dir = run_dir_of({**from_file, **from_flags})
     saved = None
     if options.resume and is_run_dir(run_dir):
         saved = make_config(read_yaml(run_dir / CONFIG_FILE))
         config = make_config(saved.to_dict(), from_file, from_flags)
+    else:
+        config = make_config(from_file, from_flags)
     config.mixed_precision, note = choose_mixed_precision(
         config.mixed_precision, "mixed_precision" in from_flags, os.environ.get(LAUNCHER_PRECISION)
     )

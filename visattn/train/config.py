@@ -236,13 +236,6 @@ class TrainConfig:
         size = self.img_size
         return (size, size) if isinstance(size, int) else (size[0], size[1])
 
-    @property
-    def resolved_run_dir(self) -> Path:
-        if self.run_dir is not None:
-            return Path(self.run_dir)
-        label = self.attn if isinstance(self.attn, str) else "+".join(dict.fromkeys(self.attn))
-        return Path("runs") / f"{self.dataset}-{label}"
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -269,6 +262,19 @@ class TrainConfig:
 
 
 DEFAULT_MODEL: str = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "model")
+
+
+def run_dir_of(values: dict[str, Any]) -> Path:
+    """The folder a run of ``values`` (config keys, each of its type, over the defaults) writes to: ``run_dir``, or
+    ``runs/<dataset>-<attn>``. Read before the values are checked together, because ``--resume`` lays the flags
+    over the settings saved there, and a flag may be valid only beside them (``--lora-rank`` needs the run's
+    initial checkpoint)."""
+    if values.get("run_dir") is not None:
+        return Path(values["run_dir"])
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in ("dataset", "attn")}
+    dataset, attn = values.get("dataset", defaults["dataset"]), values.get("attn", defaults["attn"])
+    label = attn if isinstance(attn, str) else "+".join(dict.fromkeys(attn))
+    return Path("runs") / f"{dataset}-{label}"
 # The keys a named model brings its own value of (make_config).
 MODEL_SHAPE_KEYS = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "global_pool", "class_token")
 
