@@ -29,7 +29,7 @@ from visattn.models import create_model
 from visattn.predict import load_trained_model
 from visattn.train import build, data, loop
 from visattn.train.cli import build_parser, parse_args
-from visattn.train.config import ConfigError, TrainConfig, make_config
+from visattn.train.config import ConfigError, TrainConfig, make_config, run_dir_of
 from visattn.train.data import TransformedDataset, build_transform, load_splits
 
 REPO = Path(__file__).resolve().parents[2]
@@ -452,6 +452,16 @@ def test_flags_override_the_config_file_which_overrides_the_defaults(tmp_path):
     assert (config.lr, config.epochs, config.attn, config.attn_kwargs) == (1e-3, 9, ["axial", "softmax"], {"kernel_size": 5})
     assert config.batch_size == TrainConfig().batch_size
     assert options.config_file == str(recipe)
+
+
+def test_the_run_folder_is_run_dir_or_named_by_dataset_and_attention(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("dataset: cluttered-digits\n")
+    assert run_dir_of({}) == Path("runs/digits-softmax")
+    from_file, from_flags, _ = parse_args(["--config", str(recipe), "--attn", "axial,softmax,axial"])
+    assert run_dir_of({**from_file, **from_flags}) == Path("runs/cluttered-digits-axial+softmax")
+    _, from_flags, _ = parse_args(["--attn", "linear", "--run-dir", str(tmp_path / "mine")])
+    assert run_dir_of(from_flags) == tmp_path / "mine"
 
 
 def test_a_named_timm_model_brings_its_own_shape():

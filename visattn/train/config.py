@@ -262,19 +262,6 @@ class TrainConfig:
 
 
 DEFAULT_MODEL: str = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "model")
-
-
-def run_dir_of(values: dict[str, Any]) -> Path:
-    """The folder a run of ``values`` (config keys, each of its type, over the defaults) writes to: ``run_dir``, or
-    ``runs/<dataset>-<attn>``. Read before the values are checked together, because ``--resume`` lays the flags
-    over the settings saved there, and a flag may be valid only beside them (``--lora-rank`` needs the run's
-    initial checkpoint)."""
-    if values.get("run_dir") is not None:
-        return Path(values["run_dir"])
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in ("dataset", "attn")}
-    dataset, attn = values.get("dataset", defaults["dataset"]), values.get("attn", defaults["attn"])
-    label = attn if isinstance(attn, str) else "+".join(dict.fromkeys(attn))
-    return Path("runs") / f"{dataset}-{label}"
 # The keys a named model brings its own value of (make_config).
 MODEL_SHAPE_KEYS = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "global_pool", "class_token")
 
@@ -473,6 +460,19 @@ def make_config(*layers: dict[str, Any]) -> TrainConfig:
                 raise ConfigError(f"model: {error}") from None
         values.update(layer)
     return TrainConfig(**values)
+
+
+def run_dir_of(values: dict[str, Any]) -> Path:
+    """The folder a run of ``values`` writes to: ``run_dir``, or ``runs/<dataset>-<attn>``, a missing ``dataset`` or
+    ``attn`` taking TrainConfig's default. ``values`` are config keys whose types are checked (:func:`check_keys`)
+    but not yet the values together: ``--resume`` reads the settings saved in the folder first and lays the flags
+    over them, and a flag may be valid only beside them (``--lora-rank`` needs the run's initial checkpoint)."""
+    if values.get("run_dir") is not None:
+        return Path(values["run_dir"])
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in ("dataset", "attn")}
+    dataset, attn = values.get("dataset", defaults["dataset"]), values.get("attn", defaults["attn"])
+    label = attn if isinstance(attn, str) else "+".join(dict.fromkeys(attn))
+    return Path("runs") / f"{dataset}-{label}"
 
 
 def changed_keys(old: TrainConfig, new: TrainConfig) -> list[str]:
