@@ -101,7 +101,8 @@ def test_resume_from_mid_fine_tune_ends_where_the_whole_run_ends(runs, tmp_path)
         torch.testing.assert_close(final[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("with_initial_checkpoint", [True, False], ids=["initial-checkpoint-given", "initial-checkpoint-from-saved-settings"])
+@pytest.mark.parametrize("with_initial_checkpoint", [True, False],
+                         ids=["initial-checkpoint-given", "initial-checkpoint-from-saved-settings"])
 def test_resume_refuses_changed_adapters(runs, tmp_path, capsys, with_initial_checkpoint):
     parent, whole = runs
     resumed = tmp_path / "resumed"
