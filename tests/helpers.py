@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -51,3 +53,13 @@ def grads_of(fn, *inputs: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, li
     return out.detach(), [t.grad for t in leaves]
 
 
+def stopped_copy(whole: Path, copy: Path, checkpoint: str, removed: tuple[str, ...]) -> dict:
+    """``whole`` copied to ``copy`` as if stopped just after ``checkpoint``: later checkpoints and the ``removed``
+    files gone. Returns that checkpoint's trainer state."""
+    shutil.copytree(whole, copy)
+    for path in (copy / "checkpoints").iterdir():
+        if path.name != checkpoint:
+            shutil.rmtree(path)
+    for name in removed:
+        (copy / name).unlink()
+    return json.loads((copy / "checkpoints" / checkpoint / "trainer_state.json").read_text())

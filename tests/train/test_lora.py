@@ -14,7 +14,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train  # the script at the repository root, importable from there as pytest runs the tests
-from tests.helpers import TINY
+from tests.helpers import TINY, stopped_copy
 from visattn.predict import load_predictor, predict
 from visattn.train.config import ConfigError, make_config
 from visattn.train.initial import read_state_dict
@@ -88,12 +88,8 @@ def test_predict_loads_the_adapted_run(runs, tmp_path):
 def test_resume_from_mid_fine_tune_ends_where_the_whole_run_ends(runs, tmp_path):
     _, whole = runs
     resumed = tmp_path / "resumed"
-    shutil.copytree(whole, resumed)
-    for path in (resumed / "checkpoints").iterdir():
-        if path.name != "step_00000012":  # the transfer's 6 updates and 6 of the fine-tune's 12
-            shutil.rmtree(path)
-    for name in ("model_best.safetensors", "model_last.safetensors", "summary.json"):
-        (resumed / name).unlink()
+    stopped_copy(whole, resumed, "step_00000012",  # the transfer's 6 updates and 6 of the fine-tune's 12
+                 ("model_best.safetensors", "model_last.safetensors", "summary.json"))
     assert train.main(["--run-dir", str(resumed), "--resume"]) == 0
     final, expected = load_file(str(resumed / "model_last.safetensors")), load_file(str(whole / "model_last.safetensors"))
     assert final.keys() == expected.keys()

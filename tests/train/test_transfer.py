@@ -14,7 +14,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train  # the script at the repository root, importable from there as pytest runs the tests
-from tests.helpers import TINY
+from tests.helpers import TINY, stopped_copy
 from visattn.predict import load_predictor, load_trained_model, predict
 from visattn.train.cli import resolve_config
 from visattn.train.config import ConfigError, make_config
@@ -98,18 +98,6 @@ def test_the_parent_computes_what_its_run_trained_rope_included(tmp_path):
     assert all(block.attn.rope is not None for block in parent.blocks)
     images = torch.randn(2, 3, 16, 16)
     assert torch.equal(parent(images), load_trained_model(parent_dir).eval()(images))
-
-
-def stopped_copy(whole: Path, copy: Path, checkpoint: str, removed: tuple[str, ...]) -> dict:
-    """``whole`` copied to ``copy`` as if stopped just after ``checkpoint``: later checkpoints and the ``removed``
-    files gone. Returns that checkpoint's trainer state."""
-    shutil.copytree(whole, copy)
-    for path in (copy / "checkpoints").iterdir():
-        if path.name != checkpoint:
-            shutil.rmtree(path)
-    for name in removed:
-        (copy / name).unlink()
-    return json.loads((copy / "checkpoints" / checkpoint / "trainer_state.json").read_text())
 
 
 def test_resume_from_mid_transfer_ends_where_the_whole_run_ends(runs, tmp_path):
