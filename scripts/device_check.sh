@@ -6,7 +6,8 @@
 # root, on a GPU machine). After every stage OUT/results.md (the dated results page, scripts/device_report.py)
 # is written anew, and ARCHIVE, if set (outside OUT), with all of OUT but the run's weights.
 # Stage limits (seconds) are CUDA_TESTS_LIMIT, INFER_LIMIT, TRAIN_LIMIT, TRAIN_2048_LIMIT, RUN_LIMIT, PROFILE_LIMIT,
-# MAX_TOKENS_LIMIT, COMPILE_LIMIT; STAGES (below) chooses them.
+# MAX_TOKENS_LIMIT, COMPILE_LIMIT; STAGES (below) chooses them. MAX_TOKENS_ROWS replaces the max_tokens stage's rows,
+# e.g. MAX_TOKENS_ROWS="--references --attn longformer linformer" searches those two types alone.
 set -uo pipefail
 OUT=${OUT:-device_check_out}
 mkdir -p "$OUT"
@@ -39,6 +40,7 @@ stage() {  # stage NAME SECONDS COMMAND...
 cat "$OUT/environment.txt"
 BENCH="$PY -m visattn.bench --device cuda --dtype bf16 --warmup 2 --min-iters 5 --min-seconds 0.25 --max-seconds 5"
 ATTN="--attn linear axial neighborhood sparse longformer linformer"  # beside timm (flash SDPA) and floor
+MAX_TOKENS_ROWS=${MAX_TOKENS_ROWS:-$ATTN}
 # Most important first: a stage past its limit loses only itself (the benchmark writes the rows it measured).
 stage cuda_tests "${CUDA_TESTS_LIMIT:-150}" $PY -m pytest -v -m cuda -p no:cacheprovider --durations 8 tests
 stage infer_2048 "${INFER_LIMIT:-75}" $BENCH --modes infer --sizes 2048 --batch-size 4 $ATTN --out "$OUT/infer_2048"
@@ -56,7 +58,7 @@ stage profile_train_1024 "${PROFILE_LIMIT:-40}" $PY scripts/profile_block.py --d
   --mode train --attn softmax linear axial neighborhood --top 6
 # The largest grid each type trains at, batch 1, in 80 GB: doubling from 131,072 tokens, then bisecting to 50%.
 stage max_tokens "${MAX_TOKENS_LIMIT:-400}" $PY -m visattn.bench max-tokens --device cuda --dtype bf16 --modes train \
-  --max-memory 80GB --min-tokens 131072 --max-tokens 1048576 --tolerance 0.5 --trial-timeout 40 $ATTN --out "$OUT/max_tokens"
+  --max-memory 80GB --min-tokens 131072 --max-tokens 1048576 --tolerance 0.5 --trial-timeout 40 $MAX_TOKENS_ROWS --out "$OUT/max_tokens"
 # torch.compile: the 1024 px inference rows compiled (the first warm-up round compiles).
 stage compile_1024 "${COMPILE_LIMIT:-150}" $BENCH --compile --modes infer --sizes 1024 --batch-size 16 \
   --attn linear axial neighborhood --out "$OUT/compile_1024"
