@@ -6,8 +6,9 @@
 # root, on a GPU machine). After every stage OUT/results.md (the dated results page, scripts/device_report.py)
 # is written anew, and ARCHIVE, if set (outside OUT), with all of OUT but the run's weights.
 # Stage limits (seconds) are CUDA_TESTS_LIMIT, INFER_LIMIT, TRAIN_LIMIT, TRAIN_2048_LIMIT, RUN_LIMIT, PROFILE_LIMIT,
-# MAX_TOKENS_LIMIT, COMPILE_LIMIT; STAGES (below) chooses them. MAX_TOKENS_ROWS replaces the max_tokens stage's rows,
-# e.g. MAX_TOKENS_ROWS="--references --attn longformer linformer" searches those two types alone.
+# MAX_TOKENS_LIMIT, COMPILE_LIMIT; STAGES (below) chooses them. MAX_TOKENS_ROWS, words passed to `visattn-bench
+# max-tokens` (default: $ATTN below, beside timm and floor), replaces the max_tokens stage's rows, e.g.
+# MAX_TOKENS_ROWS="--references --attn longformer linformer" searches those two types without timm and floor.
 set -uo pipefail
 OUT=${OUT:-device_check_out}
 mkdir -p "$OUT"
