@@ -66,6 +66,15 @@ def test_mixed_table_turns_every_pair_with_row_and_column_frequencies():
     torch.testing.assert_close(_angles(table[:, :p]), torch.zeros(heads, p, d // 2, dtype=torch.float64))
 
 
+def test_mixed_table_angles_stay_fp32_under_autocast():
+    """Under bf16 autocast the table equals the one built without it: on a 64 x 64 grid the angles reach
+    about 90 radians, where bf16's spacing is half a radian."""
+    freqs = init_mixed_rope_freqs(16, 2)  # fp32, as a layer holds them
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        table = mixed_rope(freqs, (64, 64), 1)
+    torch.testing.assert_close(table, mixed_rope(freqs, (64, 64), 1), rtol=0, atol=0)
+
+
 def test_mixed_freqs_start_as_rope_mixed_does():
     """Per head, pair j's frequency vector has magnitude 10^(-4 (j mod d/4) / d), the two halves at right angles."""
     d, heads = 16, 3

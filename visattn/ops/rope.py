@@ -21,6 +21,8 @@ prefix count, head width, device and dtype; mixed tables depend on the parameter
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from timm.layers.pos_embed_sincos import (
     apply_rot_embed_cat,
@@ -108,7 +110,14 @@ def mixed_rope(freqs: torch.Tensor, grid: tuple[int, int], num_prefix_tokens: in
     if freqs.ndim != 3 or freqs.shape[0] != 2:
         raise ValueError(f"mixed_rope: freqs must be (2, heads, head_dim / 2), got shape {tuple(freqs.shape)}")
     rows, cols = get_mixed_grid([h, w], grid_indexing="ij", device=freqs.device)  # (H * W,) each
-    return _with_identity_prefix(get_mixed_freqs(freqs, rows, cols), num_prefix_tokens)
+    # timm before 1.0.31 forms the angles with a matmul, which autocast would run in bf16/fp16: angles of
+    # hundreds of radians lose whole turns there. A meta tensor has no autocast to leave.
+    full_precision = (
+        contextlib.nullcontext() if freqs.device.type == "meta" else torch.autocast(freqs.device.type, enabled=False)
+    )
+    with full_precision:
+        table = get_mixed_freqs(freqs, rows, cols)
+    return _with_identity_prefix(table, num_prefix_tokens)
 
 
 def check_rope_table(x: torch.Tensor, rope: torch.Tensor, op: str) -> None:
@@ -127,7 +136,8 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """``x`` (B, heads, N, d) with each token's channel pairs turned by its angles in ``rope`` (a table of
     :func:`axial_rope` or :func:`mixed_rope`); computed in the wider of the two dtypes, returned in x's."""
     check_rope_table(x, rope, "apply_rope")
-    return apply_rot_embed_cat(x, rope)
+    # timm 1.0.31 casts the rotation back to x's dtype itself; older releases return the wider dtype
+    return apply_rot_embed_cat(x, rope).to(x.dtype)
 
 
 def inverse_rope(rope: torch.Tensor) -> torch.Tensor:
