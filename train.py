@@ -164,6 +164,11 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
         finish_epoch(run, epoch, loss_sum, images, train_time)
 
     summary = finish_run(run, already_finished, time.perf_counter() - started)
+    # Free the wrapped model while the process group is still registered, so that DDP's reducer does not hold
+    # its last reference: torch 2.9 to 2.13 free a gloo group from the reducer's destructor with the GIL held,
+    # and the group waits there for worker threads that need the GIL (the process never exits).
+    del model, run
+    accelerator.free_memory()
     accelerator.end_training()
     return summary
 
