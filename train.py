@@ -17,6 +17,7 @@ override. The run directory gets the effective config, checkpoints (each epoch a
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import time
 from pathlib import Path
@@ -165,10 +166,11 @@ def training_function(config: TrainConfig, options: RunOptions, held: contextlib
 
     summary = finish_run(run, already_finished, time.perf_counter() - started)
     # Free the wrapped model while the process group is still registered, so that DDP's reducer does not hold
-    # its last reference: torch 2.9 to 2.13 free a gloo group from the reducer's destructor with the GIL held,
-    # and the group waits there for worker threads that need the GIL (the process never exits).
+    # its last reference: torch before 2.14 may free a gloo group from the reducer's destructor with the GIL
+    # held, where the group waits for worker threads that need the GIL, and the process never exits. A
+    # compiled model sits in a reference cycle, hence the collection.
     del model, run
-    accelerator.free_memory()
+    gc.collect()
     accelerator.end_training()
     return summary
 
