@@ -528,6 +528,7 @@ def test_convert_patch_drop_with_gridless_attention():
 PRODUCTION_IMG = (136, 152)
 PRODUCTION_CASES = [pytest.param(name, {"rope": "axial"}, id=f"{name}-rope") for name in visattn.list_attentions()] + [
     pytest.param("linear", {"decay": True, "dwconv_kernel": None}, id="linear-decay"),
+    pytest.param("softmax", {"rope": "mixed"}, id="softmax-rope-mixed"),
 ]
 
 

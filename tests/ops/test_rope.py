@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
 from visattn.ops.backends import force_backend, select_backend
+from visattn.ops import rope as rope_module
 from visattn.ops.linear import functional as linear_functional
 from visattn.ops.rope import (
     AXIAL_THETA,
@@ -66,9 +67,20 @@ def test_mixed_table_turns_every_pair_with_row_and_column_frequencies():
     torch.testing.assert_close(_angles(table[:, :p]), torch.zeros(heads, p, d // 2, dtype=torch.float64))
 
 
-def test_mixed_table_angles_stay_fp32_under_autocast():
-    """Under bf16 autocast the table equals the one built without it: on a 64 x 64 grid the angles reach
-    about 90 radians, where bf16's spacing is half a radian."""
+def _matmul_mixed_freqs(freqs, t_x, t_y):
+    """timm's get_mixed_freqs before 1.0.31: the angles as matmuls, which autocast runs in bf16."""
+    dtype, freqs = freqs.dtype, freqs.float()
+    angles = t_x.unsqueeze(-1) @ freqs[0].unsqueeze(-2) + t_y.unsqueeze(-1) @ freqs[1].unsqueeze(-2)
+    return torch.cat([angles.sin().repeat_interleave(2, -1), angles.cos().repeat_interleave(2, -1)], -1).to(dtype)
+
+
+@pytest.mark.parametrize("timm_angles", ["installed", "matmul"])
+def test_mixed_table_angles_stay_fp32_under_autocast(timm_angles, monkeypatch):
+    """Under bf16 autocast the table equals the one built without it, with this timm's angles and with the
+    matmul form of older releases: on a 64 x 64 grid the angles reach about 90 radians, where bf16's spacing
+    is half a radian."""
+    if timm_angles == "matmul":
+        monkeypatch.setattr(rope_module, "get_mixed_freqs", _matmul_mixed_freqs)
     freqs = init_mixed_rope_freqs(16, 2)  # fp32, as a layer holds them
     with torch.autocast("cpu", dtype=torch.bfloat16):
         table = mixed_rope(freqs, (64, 64), 1)

@@ -110,8 +110,8 @@ def mixed_rope(freqs: torch.Tensor, grid: tuple[int, int], num_prefix_tokens: in
     if freqs.ndim != 3 or freqs.shape[0] != 2:
         raise ValueError(f"mixed_rope: freqs must be (2, heads, head_dim / 2), got shape {tuple(freqs.shape)}")
     rows, cols = get_mixed_grid([h, w], grid_indexing="ij", device=freqs.device)  # (H * W,) each
-    # timm before 1.0.31 forms the angles with a matmul, which autocast would run in bf16/fp16: angles of
-    # hundreds of radians lose whole turns there. A meta tensor has no autocast to leave.
+    # timm before 1.0.31 forms the angles with a matmul, which autocast would run in bf16: with 8 bits kept,
+    # an angle near 100 rad (a 64 x 64 grid) is off by up to a quarter radian. Meta tensors have no autocast.
     full_precision = (
         contextlib.nullcontext() if freqs.device.type == "meta" else torch.autocast(freqs.device.type, enabled=False)
     )
