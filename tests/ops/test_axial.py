@@ -134,7 +134,7 @@ def test_training_under_autocast_recomputes_instead():
     _, saved = _saved_by_forward(autocast_axial, *inputs)
     # torch 2.11 and older's non-reentrant checkpoint also saves an empty tensor, which holds no memory
     kept = [t for t in saved if t.numel()]
-    assert len(kept) == 3 and all(any(t is x for x in inputs) for t in kept)
+    assert sorted(map(id, kept)) == sorted(map(id, inputs))
     out, grads = grads_of(autocast_axial, q, k, v)
     ref, ref_grads = grads_of(lambda q, k, v: naive_axial_attn(q, k, v, (5, 4), 1), q, k, v)
     assert_rms_close(out.float(), ref, 2e-2, "out")

@@ -257,7 +257,8 @@ def test_rope_turns_the_numerator_only(mode, backend):
         assert_rms_close(g, g_ref, 1e-10, name)
     if mode == "mixed":  # mixed_rope computes its angles in fp32, and so their gradient
         assert_rms_close(grads[4], ref_grads[4], 1e-6, "dfreqs")
-    rope = table(*inputs[4:])  # built outside the count: the formula is the op's (timm < 1.0.31 builds mixed tables with a matmul)
+    # the table built outside the count: the formula is the op's (timm < 1.0.31 builds mixed tables with a matmul)
+    rope = table(*inputs[4:])
     with FlopCounterMode(display=False) as counter:
         ops.decayed_linear_attn(*inputs[:4], grid, prefix, tile_size=2, rope=rope)
     assert counter.get_total_flops() == batch * heads * decayed_linear_flops(grid, prefix, d, 2, rotated=True)
