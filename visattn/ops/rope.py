@@ -21,8 +21,6 @@ prefix count, head width, device and dtype; mixed tables depend on the parameter
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from timm.layers.pos_embed_sincos import (
     apply_rot_embed_cat,
@@ -111,11 +109,8 @@ def mixed_rope(freqs: torch.Tensor, grid: tuple[int, int], num_prefix_tokens: in
         raise ValueError(f"mixed_rope: freqs must be (2, heads, head_dim / 2), got shape {tuple(freqs.shape)}")
     rows, cols = get_mixed_grid([h, w], grid_indexing="ij", device=freqs.device)  # (H * W,) each
     # timm before 1.0.31 forms the angles with a matmul, which autocast would run in bf16: with 8 bits kept,
-    # an angle near 100 rad (a 64 x 64 grid) is off by up to a quarter radian. Meta tensors have no autocast.
-    full_precision = (
-        contextlib.nullcontext() if freqs.device.type == "meta" else torch.autocast(freqs.device.type, enabled=False)
-    )
-    with full_precision:
+    # an angle near 100 rad (a 64 x 64 grid) is off by up to a quarter radian
+    with torch.autocast(device_type=freqs.device.type, enabled=False):
         table = get_mixed_freqs(freqs, rows, cols)
     return _with_identity_prefix(table, num_prefix_tokens)
 
