@@ -555,6 +555,8 @@ def test_fullgraph_compiles_forward_and_backward_on_the_production_paths(attn, a
         for op, name in COMPILED_PATHS.items():
             paths.enter_context(force_backend(op, name))
         eager = torch.autograd.grad(step(x), [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+    # every case compiles the same code object: without a reset the cases add up to dynamo's recompile limit
+    torch._dynamo.reset()
     compiled_step = torch.compile(step, fullgraph=True, backend="aot_eager")
     compiled = torch.autograd.grad(compiled_step(x), [p for p in model.parameters() if p.requires_grad], allow_unused=True)
     for e, c in zip(eager, compiled):
