@@ -4,7 +4,7 @@
     accelerate launch train.py --config configs/cifar10-vit-s.yaml --attn neighborhood --download
     accelerate launch --multi_gpu --num_processes 2 train.py --attn axial
     python train.py --attn axial --resume               # continue runs/digits-axial from its last checkpoint
-    python train.py --config configs/linearize.yaml     # a softmax run's weights, attention transfer, fine-tune
+    python train.py --config configs/transfer.yaml     # a softmax run's weights, attention transfer, fine-tune
 
 The same command once its run has finished prints where the results are and exits 0; with other settings
 it refuses (--resume, --overwrite or another --run-dir say what to do).

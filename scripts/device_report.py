@@ -81,7 +81,7 @@ def report(out: Path, commit: str) -> str:
         if (out / stage).is_dir() or (out / f"{stage}.log").is_file():
             lines += [f"## {stage}", "", *_bench_section(out / stage)]
     lines += ["## Training run at 4,096 tokens", "", *_run_section(out)]
-    table = _read(out / "max_tokens" / "maxlen.md")
+    table = _read(out / "max_tokens" / "max_tokens.md")
     trials = [line.strip() for line in _read(out / "max_tokens.log").splitlines() if re.search(r" tokens \(\d+x\d+\): ", line)]
     if table or trials:
         demoted = [re.sub(r"^(#+)", r"#\1", line) for line in table.splitlines()]

@@ -137,9 +137,9 @@ STARTS = {
     "python train.py --attn softmax --run-dir runs/digits-softmax # a trained softmax model, then:":
         f"{{python}} train.py --attn softmax {SHORT_TRAINING} --run-dir {{tmp}}/digits-softmax",
     # the short digits run stands in for the softmax parent (the same qkv and proj)
-    "python train.py --config configs/linearize.yaml # attention transfer, then fine-tune":
-        "{python} train.py --config configs/linearize.yaml --initial-checkpoint {run} --transfer-epochs 1 "
-        f"{SHORT_TRAINING} --run-dir {{tmp}}/linearize",
+    "python train.py --config configs/transfer.yaml # attention transfer, then fine-tune":
+        "{python} train.py --config configs/transfer.yaml --initial-checkpoint {run} --transfer-epochs 1 "
+        f"{SHORT_TRAINING} --run-dir {{tmp}}/transfer",
     "visattn-predict runs/digits-axial /tmp/digits_png/3 --top-k 3": "{python} -m visattn.predict {run} {images}/3 --top-k 3",
     "visattn-predict runs/digits-axial /tmp/digits_png/3 --tile 8 --tile-overlap 2":
         "{python} -m visattn.predict {run} {images}/3 --tile 8 --tile-overlap 2",

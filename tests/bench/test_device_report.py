@@ -40,7 +40,7 @@ def test_the_page_copies_the_machine_commands_tests_tables_and_run(tmp_path):
 
 def test_the_page_copies_the_max_tokens_table_and_its_trials(tmp_path):
     (tmp_path / "max_tokens").mkdir()
-    (tmp_path / "max_tokens" / "maxlen.md").write_text("# max tokens within 74.51 GiB: title\n\n| attn | training: max tokens |\n")
+    (tmp_path / "max_tokens" / "max_tokens.md").write_text("# max tokens within 74.51 GiB: title\n\n| attn | training: max tokens |\n")
     (tmp_path / "max_tokens.log").write_text(
         "some warning\ntimm train 131,044 tokens (362x362): ok in 12.0 s, peak 30,112 MB\n"
         "timm train 262,144 tokens (512x512): time in 40.0 s\n"

@@ -176,17 +176,17 @@ def test_ops_rows_from_doubling_to_the_ceiling(tmp_path):
     # 63 MiB at 2,025) stops between the two; linear and the fused kernel run 4,096 tokens in a few MB.
     out = _run(["--ops", "--attn", "linear", "--heads", "2", "--head-dim", "8", "--modes", "infer", "--max-memory", "64MiB",
                 "--min-tokens", "1024", "--max-tokens", "4096", "--tolerance", "0.25", "--device", "cpu", "--out", str(tmp_path)])
-    rows = {r["attn"]: r for r in _read_csv(tmp_path / "maxlen.csv")}
+    rows = {r["attn"]: r for r in _read_csv(tmp_path / "max_tokens.csv")}
     assert list(rows) == ["softmax", "softmax_explicit", "linear"]
     assert rows["linear"]["max_tokens"] == rows["softmax"]["max_tokens"] == "4096"
     assert rows["linear"]["stopped_by"] == "ceiling" and rows["linear"]["trials"] == "3"  # 1,024, 2,048 -> 2,025, 4,096
     explicit = rows["softmax_explicit"]
     assert explicit["stopped_by"] == "oom" and 1024 <= int(explicit["max_tokens"]) < int(explicit["failed_tokens"]) <= 2025
     assert explicit["seed_claim"] == "standard: ~1,024" and rows["linear"]["seed_claim"] == "linear: ~65,536"
-    trials = _read_csv(tmp_path / "maxlen_trials.csv")
+    trials = _read_csv(tmp_path / "max_tokens_trials.csv")
     assert {t["status"] for t in trials if t["attn"] == "softmax_explicit"} == {"ok", "oom"}
     assert "| `linear` | ≥ 4,096 | 64×64 |" in out and "fits at --max-tokens" in out
-    assert (tmp_path / "maxlen.md").read_text() == out
+    assert (tmp_path / "max_tokens.md").read_text() == out
 
 
 def test_model_rows_name_grid_and_image(tmp_path):
@@ -194,7 +194,7 @@ def test_model_rows_name_grid_and_image(tmp_path):
     out = _run(["--attn", "linear", "floor", "--references", "timm", "--num-classes", "10", "--modes", "train",
                 "--model-kwargs", "embed_dim=16", "depth=1", "num_heads=2", "patch_size=4", "--max-memory", "1GiB",
                 "--min-tokens", "64", "--max-tokens", "100", "--device", "cpu", "--out", str(tmp_path)])
-    rows = _read_csv(tmp_path / "maxlen.csv")
+    rows = _read_csv(tmp_path / "max_tokens.csv")
     assert [(r["attn"], r["mode"]) for r in rows] == [("timm", "train"), ("linear", "train"), ("floor", "train")]
     for r in rows:  # 64 (8x8), then the ceiling 100 (10x10 patches of 4 px)
         assert (r["max_tokens"], r["grid"], r["img_size"], r["stopped_by"]) == ("100", "10x10", "40x40", "ceiling")
@@ -249,13 +249,13 @@ def test_a_stopped_search_keeps_what_it_measured_and_says_where_it_stopped(tmp_p
     with pytest.raises(SystemExit):
         cli.main([MAX_TOKENS, "--attn", "linear", "axial", "--references", "timm", "floor", *ARGS,
                   "--min-tokens", "64", "--max-tokens", "100", "--out", str(tmp_path)])
-    rows = {r["attn"]: r for r in _read_csv(tmp_path / "maxlen.csv")}
+    rows = {r["attn"]: r for r in _read_csv(tmp_path / "max_tokens.csv")}
     assert list(rows) == ["timm", "floor", "linear"]
     assert rows["timm"]["max_tokens"] == rows["floor"]["max_tokens"] == "100"
     assert (rows["linear"]["max_tokens"], rows["linear"]["stopped_by"]) == ("64", "stopped")
-    trials = [(t["attn"], t["tokens"]) for t in _read_csv(tmp_path / "maxlen_trials.csv")]
+    trials = [(t["attn"], t["tokens"]) for t in _read_csv(tmp_path / "max_tokens_trials.csv")]
     assert trials == [("timm", "64"), ("timm", "100"), ("floor", "64"), ("floor", "100"), ("linear", "64")]
-    table = (tmp_path / "maxlen.md").read_text()
+    table = (tmp_path / "max_tokens.md").read_text()
     assert "| `linear` | ≥ 64 | 8×8 (32×32 px) |" in table and "stopped during its search, after 1 trial(s)" in table
     assert "| `axial` | not searched |" in table
 

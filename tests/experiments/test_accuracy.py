@@ -14,7 +14,7 @@ import yaml
 from timm.layers import Attention
 
 import train  # the script at the repository root, importable from there as pytest runs the tests
-from visattn.experiments import accuracy, execute, plan, report, summarise
+from visattn.experiments import accuracy, execute, plan, report, summarize
 from visattn.experiments.variants import VARIANTS
 from visattn.layers import GridAttention
 from visattn.predict import load_trained_model
@@ -100,7 +100,7 @@ def test_images_per_second_keep_three_figures():
 def test_rows_sum_up_their_seeds_as_median_and_range():
     runs = synthetic_runs()
     rows = plan.parse_rows(["timm", "linear", "axial", "floor"])
-    timm, linear, axial, floor = summarise.summarize_rows(rows, runs)
+    timm, linear, axial, floor = summarize.summarize_rows(rows, runs)
     assert (timm.accs, timm.images_per_s, timm.peak_mem_mib, timm.status) == ([0.90, 0.94, 0.93], 50, 1001, "yes")
     assert report.accuracy_cell(timm) == "93.00% [90.00–94.00] (3)"
     assert timm.epoch_s == 16.0  # epochs of 10 + 1 and 20 + 1 seconds: median 16, the same on every seed
@@ -113,7 +113,7 @@ def test_seeds_on_a_gpu_and_a_cpu_give_no_median_time_or_memory():
     on_gpu = synthetic_run("axial", 0, 0.97, images_per_s=300)
     on_gpu.summary["mem_kind"] = "cuda_allocated"
     runs = [on_gpu, synthetic_run("axial", 1, 0.95, images_per_s=20), synthetic_run("linear", 0, 0.9, images_per_s=30)]
-    axial, linear = summarise.summarize_rows(plan.parse_rows(["axial", "linear"]), runs)
+    axial, linear = summarize.summarize_rows(plan.parse_rows(["axial", "linear"]), runs)
     assert report.accuracy_cell(axial) == "96.00% [95.00–97.00] (2)"  # accuracy does not depend on the machine
     assert (axial.images_per_s, axial.epoch_s, axial.peak_mem_mib, axial.all_stages_s) == (None, None, None, None)
     assert (linear.images_per_s, linear.peak_mem_mib) == (30, 1000)
@@ -124,7 +124,7 @@ def test_seeds_on_a_gpu_and_a_cpu_give_no_median_time_or_memory():
     one_device = report.accuracy_markdown([linear], runs[2:], recipe(), "python -m visattn.experiments.accuracy")
     assert "kinds of device" not in one_device
     on_gpu.previous = synthetic_run("axial", 0, 0.90)  # a first stage on the CPU, the last on a GPU
-    assert summarise.summarize_row(plan.parse_rows(["axial"])[0], [on_gpu]).mixed_devices
+    assert summarize.summarize_row(plan.parse_rows(["axial"])[0], [on_gpu]).mixed_devices
 
 
 def test_rows_on_different_kinds_of_device_name_theirs_and_are_not_compared():
@@ -134,7 +134,7 @@ def test_rows_on_different_kinds_of_device_name_theirs_and_are_not_compared():
             synthetic_run("linear", 0, 0.9, images_per_s=30)]
     for run in runs[:2]:
         run.summary["mem_kind"] = "cuda_allocated"
-    results = summarise.summarize_rows(plan.parse_rows(["timm", "axial", "linear"]), runs)
+    results = summarize.summarize_rows(plan.parse_rows(["timm", "axial", "linear"]), runs)
     lines = report.accuracy_markdown(results, runs, recipe(), "python -m visattn.experiments.accuracy").splitlines()
     assert lines[2:5] == ["| timm | 90.00% (1) | 0 | 200 (GPU) | 16.0 | 1,000 | 1.00× | yes |",
                           "| axial | 97.00% (1) | 0 | 300 (GPU) | 16.0 | 1,000 | 1.50× | yes |",
@@ -152,7 +152,7 @@ def test_rows_on_different_kinds_of_device_name_theirs_and_are_not_compared():
 
 def test_markdown_has_every_column_and_the_speedup_over_timm():
     runs = synthetic_runs()
-    results = summarise.summarize_rows(plan.parse_rows(["timm", "linear", "axial", "floor"]), runs)
+    results = summarize.summarize_rows(plan.parse_rows(["timm", "linear", "axial", "floor"]), runs)
     text = report.accuracy_markdown(results, runs, recipe(), "python -m visattn.experiments.accuracy --seeds 0 1 2")
     lines = text.splitlines()
     assert lines[0] == (
@@ -172,7 +172,7 @@ def test_markdown_has_every_column_and_the_speedup_over_timm():
 
 def test_outputs_are_a_table_a_png_and_every_run_as_json_and_csv(tmp_path):
     runs = synthetic_runs()
-    results = summarise.summarize_rows(plan.parse_rows(["timm", "linear", "axial", "floor"]), runs)
+    results = summarize.summarize_rows(plan.parse_rows(["timm", "linear", "axial", "floor"]), runs)
     output = tmp_path / "tables" / "cluttered.md"
     text = report.write_accuracy(output, results, runs, recipe(), "python -m visattn.experiments.accuracy")
     assert output.read_text() == text
@@ -241,7 +241,7 @@ def test_finished_runs_of_the_same_config_are_reused_not_retrained(tmp_path, mon
     _, _, runs = planned(tmp_path)
     for index, run in enumerate(runs):
         finish(run, test_acc=0.5 + index / 100)
-    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained again: {a}"))
+    monkeypatch.setattr(execute, "run_train_process", lambda *a, **k: pytest.fail(f"trained again: {a}"))
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
             "--output", str(tmp_path / "table.md"), "--", *TINY]
     assert accuracy.main(argv) == 0
@@ -258,7 +258,7 @@ def test_tables_only_writes_the_finished_runs_and_trains_none(tmp_path, monkeypa
     finish(floor0, 0.6)
     finish(timm1, 0.7)
     (floor0.run_dir / "summary.json").unlink()  # stopped, or still training in another invocation
-    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    monkeypatch.setattr(execute, "run_train_process", lambda *a, **k: pytest.fail(f"trained: {a}"))
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
             "--output", str(tmp_path / "table.md"), "--tables-only", "--", *TINY]
     assert accuracy.main(argv) == 1  # not every run finished
@@ -313,7 +313,7 @@ def test_each_run_is_its_own_train_py_process_resumed_or_overwritten(tmp_path, m
     finish(floor, 0.5)
     (floor.run_dir / "summary.json").unlink()
     (floor.run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)
-    monkeypatch.setattr(execute.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute, "run_train_process", fake_train)
     argv = ["--attn", "timm", "floor", "--seeds", "4", "--run-root", str(tmp_path / "runs"),
             "--output", str(tmp_path / "table.md"), "--", *TINY]
     assert accuracy.main(argv) == 0
@@ -439,7 +439,7 @@ def test_a_failed_stage_stops_the_stages_after_it_and_names_its_log(tmp_path, mo
         finish(run, 0.75)
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(execute.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute, "run_train_process", fake_train)
     argv = ["--attn", "timm", "floor", "--run-root", str(tmp_path / "runs"), "--output", str(tmp_path / "table.md"),
             "--stage", "--img-size 8 --epochs 2", "--stage", "--epochs 1", "--", *TINY]
     assert accuracy.main(argv) == 1
@@ -476,7 +476,7 @@ def test_a_curriculum_trains_the_first_stage_then_the_recipe_from_its_weights(tm
         finish(run, 0.25 if run.stage == 1 else 0.75)
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(execute.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute, "run_train_process", fake_train)
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
             "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
     assert accuracy.main(argv) == 1
@@ -518,7 +518,7 @@ def test_jobs_trains_runs_side_by_side_each_stage_after_the_one_before(tmp_path,
             ended.add(run_dir)
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(execute.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute, "run_train_process", fake_train)
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"), "--jobs", "2",
             "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
     assert accuracy.main(argv) == 0
@@ -547,7 +547,7 @@ def test_a_failed_first_stage_or_a_run_that_cannot_start_is_reported_and_the_oth
         finish(run, 0.5)
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(execute.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute, "run_train_process", fake_train)
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"), "--jobs", jobs,
             "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
     assert accuracy.main(argv) == 1
@@ -589,7 +589,7 @@ def staged_grid_trained_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             mem_kind="cpu_peak_rss", wall_time_s=3.0)))
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(execute.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute, "run_train_process", fake_train)
     argv = ["--attn", "timm", "floor", "--seeds", "0", "1", "--run-root", str(tmp_path / "runs"),
             "--output", str(tmp_path / "table.md"), "--stage", "--img-size 8 --epochs 2", "--", *TINY]
     assert accuracy.main(argv) == 0
@@ -675,7 +675,7 @@ def test_a_first_stage_out_of_memory_names_its_log():
     run = synthetic_run("axial", 0, None, status="out of memory")
     run.previous = synthetic_run("axial", 0, None, status="out of memory")
     run.previous.run_dir, run.previous.stage, run.previous.last, run.stage = Path("runs/axial/seed0-stage1"), 1, False, 2
-    results = summarise.summarize_rows(plan.parse_rows(["axial"]), [run])
+    results = summarize.summarize_rows(plan.parse_rows(["axial"]), [run])
     assert report.accuracy_markdown(results, [run], recipe(), "c").splitlines()[2] == (
         f"| axial | — | — | — | — | — | — | no: out of memory in stage 1 "
         f"(see `{Path('runs/axial/seed0-stage1.log')}`) |"

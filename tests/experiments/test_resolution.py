@@ -12,7 +12,7 @@ import torch
 import yaml
 
 import train  # the script at the repository root, importable from there as pytest runs the tests
-from visattn.experiments import larger_size, resolution, stages, summarise
+from visattn.experiments import larger_size, resolution, stages, summarize
 from visattn.models import create_model
 from visattn.predict import load_trained_model
 from visattn.tiled import TiledViT
@@ -87,7 +87,7 @@ def test_each_column_tests_its_own_images_and_a_failing_column_is_reported(tmp_p
 
     # every column of the softmax, computed here from its own images and model (a model this small stays near
     # chance, so the columns may agree: which model and images each takes is checked below)
-    stage = summarise.read_finished("softmax", 0, root / "softmax" / "seed0-stage1")
+    stage = summarize.read_finished("softmax", 0, root / "softmax" / "seed0-stage1")
     upsampled = larger_size.split_images(stage, (32, 32), 64, {})
     larger = larger_size.split_images(stage, (64, 64), 64, {})
     whole, small = (load_trained_model(stage.run_dir, img_size=size) for size in (64, 32))
@@ -134,7 +134,7 @@ def test_each_column_tests_its_own_images_and_a_failing_column_is_reported(tmp_p
 
 
 def test_sizes_the_tiles_cannot_take_name_their_flag():
-    stage = summarise.FinishedRun("linear", 0, Path("run"), make_config({"img_size": 32, "patch_size": 4}), {},
+    stage = summarize.FinishedRun("linear", 0, Path("run"), make_config({"img_size": 32, "patch_size": 4}), {},
                                    (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
     larger_size.check_sizes(stage, 64, [0, 16, 28])
     for img_size, overlaps, message in [
@@ -146,7 +146,7 @@ def test_sizes_the_tiles_cannot_take_name_their_flag():
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             larger_size.check_sizes(stage, img_size, overlaps)
-    scaled_down = summarise.FinishedRun("linear", 0, Path("run"), make_config({
+    scaled_down = summarize.FinishedRun("linear", 0, Path("run"), make_config({
         "dataset": "cluttered-digits", "img_size": 64, "patch_size": 4, "dataset_kwargs": {"canvas_size": 128},
     }), {}, (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
     with pytest.raises(ValueError, match=re.escape("--run-root: run drew its images at canvas_size 128 px whatever "

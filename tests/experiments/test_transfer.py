@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 import train  # the script at the repository root, importable from there as pytest runs the tests
-from visattn.experiments import execute, summarise, transfer, transfer_table
+from visattn.experiments import execute, summarize, transfer, transfer_table
 from visattn.experiments.plan import Run, expected_config, parse_rows
-from visattn.experiments.summarise import FinishedRun
+from visattn.experiments.summarize import FinishedRun
 from visattn.train.config import config_yaml, make_config, read_yaml
 
 from tests.helpers import TINY
@@ -47,7 +47,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert train.main([*TINY, "--attn", "axial", "--run-dir", str(folder / "scratch" / "axial" / "seed0")]) == 0
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
-        patch.setattr(execute.subprocess, "run", in_process)
+        patch.setattr(execute, "run_train_process", in_process)
         assert transfer.main(table_argv(folder)) == 0
     (folder / "out.txt").write_text(printed.getvalue())
     return folder
@@ -174,7 +174,7 @@ def test_every_stage_of_every_run_is_in_the_json_and_the_csv(folder):
 
 def test_finished_runs_are_reused_not_retrained(folder, monkeypatch, capsys):
     before = (folder / "table.md").read_text()
-    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained again: {a}"))
+    monkeypatch.setattr(execute, "run_train_process", lambda *a, **k: pytest.fail(f"trained again: {a}"))
     assert transfer.main(table_argv(folder)) == 0
     assert "4 runs: 4 finished before, 0 to train (0 resumed)" in capsys.readouterr().out
     assert (folder / "table.md").read_text() == before
@@ -257,7 +257,7 @@ def edited_copy(source: Path, target: Path, **values) -> Path:
 
 
 def test_bad_parents_and_runs_from_scratch_stop_before_any_run(folder, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    monkeypatch.setattr(execute, "run_train_process", lambda *a, **k: pytest.fail(f"trained: {a}"))
     other_lr = edited_copy(folder / "parent", tmp_path / "other-lr", lr=0.5)
     wider = edited_copy(folder / "scratch" / "axial" / "seed0", tmp_path / "scratch" / "axial" / "seed0", img_size=32)
     (tmp_path / "empty").mkdir()
@@ -288,7 +288,7 @@ def test_bad_parents_and_runs_from_scratch_stop_before_any_run(folder, tmp_path,
 
 def test_a_parent_without_its_weights_is_refused_before_any_run_unless_none_is_to_train(folder, tmp_path, monkeypatch,
                                                                                           capsys):
-    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    monkeypatch.setattr(execute, "run_train_process", lambda *a, **k: pytest.fail(f"trained: {a}"))
     parent = shutil.copytree(folder / "parent", tmp_path / "parent", ignore=shutil.ignore_patterns("*.safetensors"))
     common = ["--parent", str(parent), "--attn", *ROWS, "--transfer-epochs", "1", "--finetune-epochs", "1", "2",
               "--output", str(tmp_path / "t.md")]
@@ -311,7 +311,7 @@ def test_a_parent_without_its_weights_is_refused_before_any_run_unless_none_is_t
 ])
 def test_runs_from_scratch_of_another_model_are_refused_naming_what_differs(folder, tmp_path, monkeypatch, capsys,
                                                                              values, differs):
-    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    monkeypatch.setattr(execute, "run_train_process", lambda *a, **k: pytest.fail(f"trained: {a}"))
     other = edited_copy(folder / "scratch" / "axial" / "seed0", tmp_path / "scratch" / "axial" / "seed0", **values)
     assert transfer.main(["--parent", str(folder / "parent"), "--attn", "axial", "--from-scratch-root",
                           str(tmp_path / "scratch"), "--run-root", str(tmp_path / "runs"), "--output",
@@ -329,7 +329,7 @@ def without_train_images(metrics: Path) -> Path:
 
 def test_transfer_records_without_their_images_stop_the_table_in_one_line_naming_them(folder, tmp_path, monkeypatch,
                                                                                        capsys):
-    monkeypatch.setattr(execute.subprocess, "run", lambda *a, **k: pytest.fail(f"trained: {a}"))
+    monkeypatch.setattr(execute, "run_train_process", lambda *a, **k: pytest.fail(f"trained: {a}"))
     # a parent whose lineage holds an older transfer stage: refused before any run
     parent = shutil.copytree(folder / "parent", tmp_path / "parent")
     (parent / "transfer_metrics.jsonl").write_text(json.dumps(dict(train_time_s=1.0, eval_time_s=0.5)) + "\n")
@@ -397,7 +397,7 @@ def test_a_run_from_scratch_is_timed_by_its_epochs_here_and_by_wall_time_in_the_
     stage = Run(row, 0, first, argv=[], summary=dict(wall_time_s=60.0), stage=1, last=False)
     run = Run(row, 0, second, argv=[], summary=dict(wall_time_s=60.0), stage=2, previous=stage)
     assert transfer_table.lineage_cost(second) == (40, 2 * 2.0 + 3.0)
-    assert summarise.all_stages_seconds(run) == 60.0 + 60.0
+    assert summarize.all_stages_seconds(run) == 60.0 + 60.0
 
 
 def test_each_seed_is_compared_with_its_own_parent():

@@ -11,11 +11,11 @@ import pytest
 
 from tests.experiments.test_accuracy import finish
 from tests.helpers import REPO
-from visattn.experiments import accuracy, execute, plan, summarise, variants
+from visattn.experiments import accuracy, execute, plan, summarize, variants
 from visattn.train.cli import parse_args as train_parse_args
 from visattn.train.config import make_config
-from visattn.train.generated import task_options
-from visattn.train.generated.cluttered_digits import training_sources
+from visattn.train.generated_tasks import task_options
+from visattn.train.generated_tasks.cluttered_digits import training_sources
 
 CURRICULUM = str(REPO / "configs" / "cluttered-digits-curriculum.yaml")
 # A small model; the data's options stay the variant's (nothing is drawn: train.py is faked).
@@ -152,7 +152,7 @@ def test_a_table_per_variant_and_a_summary_row_per_variant_and_attention(tmp_pat
             finish_at(run_dir, config, 0.9 if row == "timm" else 0.6, (0.1, 0.8), wall_time_s=25.0)
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(execute.subprocess, "run", fake_train)
+    monkeypatch.setattr(execute, "run_train_process", fake_train)
     assert accuracy.main(variant_argv(tmp_path)) == 0
     assert len(commands) == 2 * 2 * 2  # variants x rows x stages
     for command in commands:
@@ -202,9 +202,9 @@ def finish_at(run_dir: Path, config, test_acc: float, val_accs: tuple[float, ...
 # -- epochs at chance -----------------------------------------------------------------------------------------
 def test_the_chance_threshold_is_chance_plus_three_standard_errors():
     # by hand: 10 classes, 1,000 images: 0.1 + 3 * sqrt(0.1 * 0.9 / 1000) = 0.1 + 3 * 0.0094868 = 0.128460
-    assert math.isclose(summarise.chance_threshold(10, 1000), 0.128460, abs_tol=1e-6)
+    assert math.isclose(summarize.chance_threshold(10, 1000), 0.128460, abs_tol=1e-6)
     # 2 classes, 100 images: 0.5 + 3 * sqrt(0.25 / 100) = 0.5 + 3 * 0.05
-    assert math.isclose(summarise.chance_threshold(2, 100), 0.65)
+    assert math.isclose(summarize.chance_threshold(2, 100), 0.65)
 
 
 def test_epochs_at_chance_counts_the_leading_epochs_below_the_threshold():
@@ -212,11 +212,11 @@ def test_epochs_at_chance_counts_the_leading_epochs_below_the_threshold():
         return [{"epoch": epoch, f"{split}_acc": acc, f"{split}_samples": samples} for epoch, acc in enumerate(accs, 1)]
 
     # 0.128 is below 0.128460, 0.1285 is not; a later dip does not count
-    assert summarise.epochs_at_chance(history([0.10, 0.128, 0.1285, 0.11]), 10) == 2
-    assert summarise.epochs_at_chance(history([0.13, 0.10]), 10) == 0
-    assert summarise.epochs_at_chance(history([0.1, 0.1, 0.1]), 10) == 3
-    assert summarise.epochs_at_chance(history([0.6, 0.7], samples=100), 2) == 1  # threshold 0.65
-    assert summarise.epochs_at_chance(history([0.6, 0.7], split="test", samples=100), 2) == 1  # no validation split
+    assert summarize.epochs_at_chance(history([0.10, 0.128, 0.1285, 0.11]), 10) == 2
+    assert summarize.epochs_at_chance(history([0.13, 0.10]), 10) == 0
+    assert summarize.epochs_at_chance(history([0.1, 0.1, 0.1]), 10) == 3
+    assert summarize.epochs_at_chance(history([0.6, 0.7], samples=100), 2) == 1  # threshold 0.65
+    assert summarize.epochs_at_chance(history([0.6, 0.7], split="test", samples=100), 2) == 1  # no validation split
 
 
 def test_a_run_s_epochs_at_chance_are_its_first_stage_s():
@@ -226,6 +226,6 @@ def test_a_run_s_epochs_at_chance_are_its_first_stage_s():
     last = plan.Run(first.row, 0, Path("runs/floor/seed0"), argv=[], status="finished", stage=2, previous=first,
                     num_classes=10)
     last.history = [{"epoch": 1, "val_acc": 0.1, "val_samples": 1000}]
-    assert summarise.run_epochs_at_chance(last) == 2 and summarise.run_epochs_at_chance(first) == 2
+    assert summarize.run_epochs_at_chance(last) == 2 and summarize.run_epochs_at_chance(first) == 2
     first.status = "failed"
-    assert summarise.run_epochs_at_chance(last) is None
+    assert summarize.run_epochs_at_chance(last) is None

@@ -6,7 +6,7 @@ import timm
 import torch
 
 from visattn.models import add_lora, convert, create_model, merged_state_dict
-from visattn.models.linearize import trainable_attention_parameters
+from visattn.models.transfer import trainable_attention_parameters
 from visattn.models.lora import adapted_state_dict, freeze_for_lora
 
 TINY_VIT = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=5)

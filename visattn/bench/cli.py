@@ -378,7 +378,7 @@ def _trial_progress(row: Row, trial: Trial) -> None:
 
 
 def run_max_tokens(args: argparse.Namespace) -> list[Row]:
-    """Search every row in every mode, writing ``maxlen.md``, ``maxlen.csv`` and ``maxlen_trials.csv`` anew after
+    """Search every row in every mode, writing ``max_tokens.md``, ``max_tokens.csv`` and ``max_tokens_trials.csv`` anew after
     every trial, so that a command stopped at a time limit keeps what it measured and says where it stopped."""
     sweep = args.sweep
     args.out.mkdir(parents=True, exist_ok=True)
@@ -388,9 +388,9 @@ def run_max_tokens(args: argparse.Namespace) -> list[Row]:
         if trial is not None:
             _trial_progress(row, trial)
         report = max_tokens_report(rows, sweep)
-        (args.out / "maxlen.md").write_text(report)
-        write_csv(max_tokens_csv_rows(rows, sweep), args.out / "maxlen.csv")
-        write_csv(max_tokens_trial_rows(rows), args.out / "maxlen_trials.csv")
+        (args.out / "max_tokens.md").write_text(report)
+        write_csv(max_tokens_csv_rows(rows, sweep), args.out / "max_tokens.csv")
+        write_csv(max_tokens_trial_rows(rows), args.out / "max_tokens_trials.csv")
         return report
 
     for attn in sweep.rows:
@@ -404,7 +404,7 @@ def run_max_tokens(args: argparse.Namespace) -> list[Row]:
                 raise
     report = write()
     print(report, end="")
-    print(f"wrote maxlen.md, maxlen.csv, maxlen_trials.csv in {args.out}", file=sys.stderr)
+    print(f"wrote max_tokens.md, max_tokens.csv, max_tokens_trials.csv in {args.out}", file=sys.stderr)
     return rows
 
 

@@ -5,7 +5,7 @@
                     train.py's flags per run
     variants.py     named variants of the cluttered digits: the tuning ones and the held-out ones
     execute.py      reuse, resume or train each run in its own train.py process; the time left
-    summarise.py    a finished run's summary and per-epoch records, its epochs at chance; a row summed up over
+    summarize.py    a finished run's summary and per-epoch records, its epochs at chance; a row summed up over
                     its seeds
     stages.py       the first stages of a curriculum table, or runs named by path, each with its second stage
     larger_size.py  a model trained at one size tested at a larger one: upsampled, whole, tiled, best tile

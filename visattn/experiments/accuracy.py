@@ -74,7 +74,7 @@ from visattn.experiments.plan import (
     train_flags_problem,
 )
 from visattn.experiments.report import command_line, variant_output, write_accuracy, write_variants
-from visattn.experiments.summarise import summarize_rows
+from visattn.experiments.summarize import summarize_rows
 from visattn.experiments.variants import Variant, parse_variants
 from visattn.models import TIMM_ATTENTION
 from visattn.train import ConfigError

@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import IO
 
 from visattn.experiments.plan import REPO, Row, Run, all_runs, expected_config, run_name
-from visattn.experiments.summarise import read_run, started_from
+from visattn.experiments.summarize import read_run, started_from
 from visattn.predict import BEST_WEIGHTS
 from visattn.train import CONFIG_FILE, SUMMARY_FILE, ConfigError, TrainConfig, list_checkpoints, make_config, read_yaml
 
@@ -83,6 +84,11 @@ def failure(returncode: int, log_text: str) -> str:
     return "failed"
 
 
+def run_train_process(command: list[str], log: IO[str]) -> subprocess.CompletedProcess:
+    """Runs one train.py ``command`` to its end, its output and errors into ``log``."""
+    return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+
+
 def execute(run: Run) -> None:
     """Train (or resume) ``run`` in its own train.py process, its output in ``run.log``."""
     flag = "--resume" if run.action == "resume" else "--overwrite"
@@ -90,7 +96,7 @@ def execute(run: Run) -> None:
     run.log.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(run.log, "w") as handle:
-        result = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT)
+        result = run_train_process(command, log=handle)
     run.seconds = time.perf_counter() - started
     if result.returncode == 0 and (run.run_dir / SUMMARY_FILE).is_file():
         read_run(run)

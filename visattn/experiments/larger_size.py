@@ -14,7 +14,7 @@ import torch.nn as nn
 from timm.data import create_transform
 from torch.utils.data import DataLoader, TensorDataset
 
-from visattn.experiments.summarise import FinishedRun
+from visattn.experiments.summarize import FinishedRun
 from visattn.predict import load_trained_model
 from visattn.tiled import TiledViT, cut_tiles, model_tile, tile_layout
 from visattn.train import DataError, eval_data_config, load_splits, without_images

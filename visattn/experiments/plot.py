@@ -5,7 +5,7 @@ import statistics
 from pathlib import Path
 
 from visattn.experiments.plan import Run
-from visattn.experiments.summarise import RowResult
+from visattn.experiments.summarize import RowResult
 from visattn.models import TIMM_ATTENTION
 
 

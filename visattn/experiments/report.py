@@ -13,7 +13,7 @@ from typing import Any
 from visattn.experiments.larger_size import MOST_CONFIDENT, SECOND_STAGE, TRAINED, UPSAMPLED, WHOLE, Evaluation, columns, tiled_column
 from visattn.experiments.plan import Run, all_runs, expected_config
 from visattn.experiments.plot import plot
-from visattn.experiments.summarise import DEVICE_WORDS, RowResult, device_kinds, epoch_seconds, run_epochs_at_chance
+from visattn.experiments.summarize import DEVICE_WORDS, RowResult, device_kinds, epoch_seconds, run_epochs_at_chance
 from visattn.experiments.variants import Variant, group_of
 from visattn.models import TIMM_ATTENTION
 from visattn.train import TrainConfig

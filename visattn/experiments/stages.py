@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from visattn.experiments.plan import Row, run_folder
-from visattn.experiments.summarise import FinishedRun, read_finished, started_from
+from visattn.experiments.summarize import FinishedRun, read_finished, started_from
 from visattn.train import ConfigError
 
 # What a second stage must share with its first: the model and the data, all but the image size.

@@ -72,12 +72,12 @@ from visattn.experiments.plan import (
     train_flags_problem,
 )
 from visattn.experiments.report import command_line
-from visattn.experiments.summarise import FinishedRun, read_finished
+from visattn.experiments.summarize import FinishedRun, read_finished
 from visattn.experiments.transfer_table import (
     PROJECTIONS, TransferTable, UncountableRecords, lineage_cost, write_transfer,
 )
 from visattn.models import TIMM_ATTENTION, create_model
-from visattn.models.linearize import trainable_attention_parameters
+from visattn.models.transfer import trainable_attention_parameters
 from visattn.predict import BEST_WEIGHTS, read_model_file
 from visattn.train import CONFIG_FILE, SUMMARY_FILE, ConfigError, TrainConfig
 from visattn.train.transfer import PARENT_ATTENTION

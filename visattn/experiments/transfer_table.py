@@ -12,7 +12,7 @@ from typing import Any
 
 from visattn.experiments.plan import Row, Run, expected_config
 from visattn.experiments.report import median_range
-from visattn.experiments.summarise import (
+from visattn.experiments.summarize import (
     DEVICE_WORDS, FinishedRun, epoch_time, median_of_known, read_records, started_from,
 )
 from visattn.train import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRANSFER_METRICS_FILE, TrainConfig, make_config, read_yaml
@@ -36,7 +36,7 @@ class UncountableRecords(ValueError):
 
 
 def training_cost(records: list[dict[str, Any]], source: Path) -> tuple[int, float]:
-    """(images trained on, seconds: :func:`~visattn.experiments.summarise.epoch_time`) of the epoch records read
+    """(images trained on, seconds: :func:`~visattn.experiments.summarize.epoch_time`) of the epoch records read
     from ``source``; :class:`UncountableRecords` for a record without its images: a transfer epoch's written before
     train.py counted them."""
     missing = next((number for number, record in enumerate(records, start=1) if "train_images" not in record), None)
@@ -83,7 +83,7 @@ def run_points(run: Run, finetune_epochs: list[int]) -> list[Point]:
 
 
 def lineage(run_dir: Path) -> list[Path]:
-    """``run_dir`` and the runs whose weights it started from (:func:`~visattn.experiments.summarise.started_from`:
+    """``run_dir`` and the runs whose weights it started from (:func:`~visattn.experiments.summarize.started_from`:
     a curriculum's earlier stages), first to last."""
     runs = [run_dir]
     while True:

@@ -5,7 +5,7 @@ The rule: every recipe decision (stages, epochs, widths, attention options, lear
 on is reported as such, and a held-out variant is never changed after a result on it has been seen.
 
 Each variant is a set of ``dataset_kwargs`` of ``cluttered-digits`` (see
-:class:`visattn.train.generated.cluttered_digits.ClutteredDigitsOptions`), made for 128 px canvases (the
+:class:`visattn.train.generated_tasks.cluttered_digits.ClutteredDigitsOptions`), made for 128 px canvases (the
 recipe ``configs/cluttered-digits-curriculum.yaml``; every one also fits the 64 px canvases of its first
 stage), with 1,000 validation and 1,000 test canvases. ``tune-base`` is that recipe's own data; the others
 change the digits' size and its spread, the clutter's size and density, and how many distinct digits the

@@ -5,7 +5,7 @@ spiky weights by learning the feature map: a per-head linear map of q and k befo
 function. Here that function is the op's elu + 1, so ``phi(x) = elu(x W_h) + 1`` with one d x d matrix
 per head for the queries and one for the keys. The matrices start as the identity, so an untrained map
 computes exactly elu + 1 and a converted model starts where ``feature_map="elu"`` does; attention transfer
-(:mod:`visattn.models.linearize`) then trains them to reproduce the parent's softmax attention.
+(:mod:`visattn.models.transfer`) then trains them to reproduce the parent's softmax attention.
 
 The module holds the parameters and applies the map; the ops stay parameter-free and receive the mapped q
 and k with ``feature_map="elu"``.

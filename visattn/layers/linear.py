@@ -31,7 +31,7 @@ class LinearAttention(GridAttention):
     Type options:
         feature_map: ``"elu"`` (elu + 1, default), ``"relu"``, or ``"learned"``: elu + 1 after a learnable
             d x d matrix per head for q and one for k, initialised to the identity (so untrained it computes
-            exactly ``"elu"``), which attention transfer (:func:`visattn.models.linearize`) trains to mimic
+            exactly ``"elu"``), which attention transfer (:func:`visattn.models.transfer`) trains to mimic
             softmax's spiky weights (Hedgehog, LoLCATs; :class:`visattn.layers.feature_map.LearnedFeatureMap`).
             The layer applies the matrices to the split heads, so it always runs the ``"split"`` projection path.
         chunk_size: chunk length of the causal form (``is_causal=True``, raster order).

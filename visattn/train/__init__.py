@@ -9,7 +9,7 @@
     generated/      the generated tasks cluttered-digits and pathfinder, drawn from a seed and cached
     build.py        accelerator, data, model, optimizer, scheduler, loaders, mixup from a config
     loop.py         one epoch, evaluation, metrics, weights and checkpoints, the run's summary
-    rundir.py       the run directory: its checks, the run lock, files written whole
+    run_dir.py       the run directory: its checks, the run lock, files written whole
     checkpoint.py   crash-safe, verified checkpoints and the trained weights
     run_log.py      per-epoch metrics, plot, summary, peak memory
 
@@ -23,7 +23,7 @@ from visattn.train.config import ConfigError, TrainConfig, make_config, read_yam
 from visattn.train.data import eval_data_config, load_splits, without_images
 from visattn.train.datasets import DataError
 from visattn.train.run_log import METRICS_FILE, SUMMARY_FILE, TRANSFER_METRICS_FILE
-from visattn.train.rundir import CONFIG_FILE, list_checkpoints
+from visattn.train.run_dir import CONFIG_FILE, list_checkpoints
 
 __all__ = [
     "CONFIG_FILE",

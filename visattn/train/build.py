@@ -21,14 +21,14 @@ from timm.scheduler.scheduler import Scheduler
 from torch.utils.data import DataLoader, RandomSampler
 
 from visattn.models import create_model
-from visattn.models.linearize import trainable_attention_parameters
+from visattn.models.transfer import trainable_attention_parameters
 from visattn.models.lora import add_lora, freeze_for_lora
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.data import (
     DataError, DataSplits, ImageCheck, TransformedDataset, build_transform, check_images, describe_unreadable, load_splits,
     without_images,
 )
-from visattn.train.generated.store import available_cpus
+from visattn.train.generated_tasks.store import available_cpus
 
 
 def launched_without_accelerator() -> bool:

@@ -1,4 +1,4 @@
-"""Crash-safe, verified checkpoints of a run (in its run directory, :mod:`visattn.train.rundir`), and the
+"""Crash-safe, verified checkpoints of a run (in its run directory, :mod:`visattn.train.run_dir`), and the
 trained weights.
 
 A checkpoint is written into ``checkpoints/.tmp-step_<N>``; ``trainer_state.json`` comes last and
@@ -46,7 +46,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from visattn.models import merged_state_dict
-from visattn.train.rundir import (
+from visattn.train.run_dir import (
     CHECKPOINT_NAME,
     CHECKPOINTS,
     CONFIG_FILE,

@@ -23,7 +23,7 @@ from visattn.layers import list_attentions
 from visattn.layers.options import parse_key_values
 from visattn.models import TIMM_ATTENTION
 from visattn.train.attention import resolve_attention
-from visattn.train.rundir import CONFIG_FILE, is_run_dir
+from visattn.train.run_dir import CONFIG_FILE, is_run_dir
 from visattn.train.run_log import SUMMARY_FILE
 from visattn.train.config import (
     FIELD_TYPES, MIXED_PRECISION, ConfigError, TrainConfig, changed_keys, check_keys, make_config, read_yaml,

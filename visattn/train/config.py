@@ -24,11 +24,11 @@ from visattn.layers import list_attentions
 from visattn.layers.options import load_yaml
 from visattn.layers.patch_embed import STEMS
 from visattn.models import TIMM_ATTENTION, model_shape
-from visattn.models.linearize import TRANSFER_MODES
+from visattn.models.transfer import TRANSFER_MODES
 from visattn.train.augment import check_auto_augment
 from visattn.train.datasets import DATASET_SPECS
 from visattn.train.fieldtypes import matches, type_name
-from visattn.train.generated import TASKS, task_options
+from visattn.train.generated_tasks import TASKS, task_options
 
 DATASETS = tuple(DATASET_SPECS)
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")

@@ -30,7 +30,7 @@ from visattn.predict import read_model_file, recorded_data_config
 from visattn.train.config import TrainConfig
 from visattn.train.datasets import DATASET_SPECS, SPLIT_SEED, DataError, DataSource, DataSplits
 from visattn.train.datasets.image_files import ImageCheck, check_image_files, describe_unreadable, image_samples
-from visattn.train.rundir import is_run_dir
+from visattn.train.run_dir import is_run_dir
 
 __all__ = [
     "SPLIT_SEED", "DataError", "DataSplits", "ImageCheck", "Normalization", "TransformedDataset", "build_transform",

@@ -28,7 +28,7 @@ from timm.models import get_pretrained_cfg, load_state_dict, load_state_dict_fro
 
 from visattn.models import MODEL_SHAPES, load_weights, merged_state_dict
 from visattn.predict import BEST_WEIGHTS
-from visattn.train.rundir import is_run_dir
+from visattn.train.run_dir import is_run_dir
 from visattn.train.config import ConfigError, TrainConfig
 
 SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".pth.tar")

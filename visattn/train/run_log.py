@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from visattn.train.rundir import RunDirError, os_error_reason, unlink_quietly, write_atomically
+from visattn.train.run_dir import RunDirError, os_error_reason, unlink_quietly, write_atomically
 
 METRICS_FILE = "metrics.jsonl"
 TRANSFER_METRICS_FILE = "transfer_metrics.jsonl"

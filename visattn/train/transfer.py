@@ -25,14 +25,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from visattn.models import AttentionTransfer, create_model
-from visattn.models.linearize import check_something_to_learn, trainable_attention_parameters
+from visattn.models.transfer import check_something_to_learn, trainable_attention_parameters
 from visattn.predict import read_model_file
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
 from visattn.train.config import ConfigError, TrainConfig
 from visattn.train.initial import InitialWeights, load_initial_weights
 from visattn.train.loop import POSTFIX_SECONDS, NonFiniteError, Training, evaluate, test_scores
-from visattn.train.rundir import is_run_dir
+from visattn.train.run_dir import is_run_dir
 
 # The attention the parent runs: what timm's Attention computes, with visattn's grid hook.
 PARENT_ATTENTION = "softmax"

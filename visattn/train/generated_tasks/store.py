@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from visattn.train.generated.common import Task
+from visattn.train.generated_tasks.common import Task
 
 FORMAT_VERSION = 1
 _CHUNK = 250  # samples per task handed to a worker process

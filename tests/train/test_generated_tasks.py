@@ -19,10 +19,10 @@ from tests.helpers import load_script
 from visattn.train.cli import parse_args
 from visattn.train.config import ConfigError, make_config
 from visattn.train.data import build_transform, load_splits
-from visattn.train.generated import TASKS, store, task_options
-from visattn.train.generated import cluttered_digits as cd
-from visattn.train.generated import pathfinder as pf
-from visattn.train.generated.common import SPLITS
+from visattn.train.generated_tasks import TASKS, store, task_options
+from visattn.train.generated_tasks import cluttered_digits as cd
+from visattn.train.generated_tasks import pathfinder as pf
+from visattn.train.generated_tasks.common import SPLITS
 from visattn.train.run_log import SUMMARY_FILE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -503,9 +503,9 @@ def test_train_py_runs_on_a_generated_dataset(tmp_path):
     assert (tmp_path / "run" / SUMMARY_FILE).is_file()
 
 
-# -- the markers' distance as a shortcut (scripts/generated_datasets.py shortcut) ---------------------
+# -- the markers' distance as a shortcut (scripts/generated_tasks.py shortcut) ---------------------
 def test_the_distance_rule_is_the_best_threshold_on_either_side():
-    script = load_script("generated_datasets")
+    script = load_script("generated_tasks")
     distances = np.array([1.0, 2.0, 3.0, 10.0, 11.0, 12.0])
     assert script.best_distance_rule(distances, np.array([1, 1, 1, 0, 0, 0])) == (3.0, True)
     assert script.best_distance_rule(distances, np.array([0, 0, 0, 1, 1, 1])) == (3.0, False)
@@ -515,7 +515,7 @@ def test_the_distance_rule_is_the_best_threshold_on_either_side():
 
 
 def test_the_markers_distance_gives_away_lone_short_curves_but_not_the_hard_level():
-    script = load_script("generated_datasets")
+    script = load_script("generated_tasks")
     hw = (pf.MIN_SIDE, pf.MIN_SIDE)
     lone, _, _, hard = (pf.PathfinderOptions(**values) for _, values in script.LADDER)
     assert script.distance_rule_accuracy(lone, hw, 60) == 1.0  # joined markers ~6 px apart, apart ones 8 px or more

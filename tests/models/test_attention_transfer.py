@@ -1,4 +1,4 @@
-"""Attention transfer (visattn.models.linearize) and the linear layer's learned feature map: transfer lowers
+"""Attention transfer (visattn.models.transfer) and the linear layer's learned feature map: transfer lowers
 each layer's error against its softmax parent on held-out images and touches nothing but the attention
 layers' own parameters; an untrained learned map is elu + 1 exactly; the learned map matches its naive twin
 on every path it runs; a type with nothing to learn is refused in one line."""
@@ -16,7 +16,7 @@ from tests.helpers import assert_rms_close
 from visattn.layers import get_attention
 from visattn.layers.cost import TokenLayout
 from visattn.layers.feature_map import LearnedFeatureMap
-from visattn.models import AttentionTransfer, convert, linearize
+from visattn.models import AttentionTransfer, convert, transfer_attention
 from visattn.ops.backends import choose_linear_projection_backend, force_backend
 from visattn.ops.linear import naive_decayed_linear_attn, naive_linear_attn
 
@@ -56,7 +56,7 @@ def test_transfer_lowers_every_layers_error_on_held_out_images(digits, mode, opt
     untrained = convert(copy.deepcopy(parent), "linear", **options)
     before = AttentionTransfer(parent, untrained).mean_losses(batches(held_out))
     # layerwise gives each block half of the steps: twice the epochs for the same steps per block
-    result = linearize(parent, "linear", batches(train_images), epochs=4 if mode == "joint" else 8, mode=mode, lr=1e-2,
+    result = transfer_attention(parent, "linear", batches(train_images), epochs=4 if mode == "joint" else 8, mode=mode, lr=1e-2,
                        **options)
     after = AttentionTransfer(parent, result.model).mean_losses(batches(held_out))
     assert len(result.losses) == (4 if mode == "joint" else 8) and all(len(epoch) == 2 for epoch in result.losses)
@@ -67,7 +67,7 @@ def test_transfer_lowers_every_layers_error_on_held_out_images(digits, mode, opt
 def test_transfer_changes_only_the_attention_layers_own_parameters(digits):
     parent = softmax_parent()
     parent_before = {key: value.clone() for key, value in parent.state_dict().items()}
-    result = linearize(parent, "linear", batches(digits[0][:64]), epochs=1, lr=1e-2, feature_map="learned")
+    result = transfer_attention(parent, "linear", batches(digits[0][:64]), epochs=1, lr=1e-2, feature_map="learned")
     trained = {name for name, _ in result.model.named_parameters() if ".learned_map." in name or ".dwconv." in name}
     assert trained == {f"blocks.{i}.attn.{part}" for i in range(2)
                        for part in ("learned_map.query", "learned_map.key", "dwconv.weight", "dwconv.bias")}
@@ -82,7 +82,7 @@ def test_transfer_changes_only_the_attention_layers_own_parameters(digits):
 
 def test_train_projections_trains_qkv_too(digits):
     parent = softmax_parent()
-    result = linearize(parent, "linear", batches(digits[0][:64]), epochs=1, lr=1e-2, train_projections=True, **LEARNED)
+    result = transfer_attention(parent, "linear", batches(digits[0][:64]), epochs=1, lr=1e-2, train_projections=True, **LEARNED)
     assert not torch.equal(result.model.blocks[0].attn.qkv.weight, parent.blocks[0].attn.qkv.weight)
     assert torch.equal(result.model.blocks[0].mlp.fc1.weight, parent.blocks[0].mlp.fc1.weight)
 
@@ -93,7 +93,7 @@ def test_train_projections_trains_qkv_too(digits):
 ])
 def test_a_type_with_nothing_to_learn_says_so_in_one_line(digits, attn, options, named):
     with pytest.raises(ValueError) as caught:
-        linearize(softmax_parent(), attn, batches(digits[0][:32]), **options)
+        transfer_attention(softmax_parent(), attn, batches(digits[0][:32]), **options)
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith(f"attention transfer: {named} add(s) no parameters") and "nothing to learn" in message

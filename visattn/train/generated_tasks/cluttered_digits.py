@@ -32,7 +32,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from visattn.train.generated.common import SPLITS, SplitSizes, Task, sample_rng, split_rng
+from visattn.train.generated_tasks.common import SPLITS, SplitSizes, Task, sample_rng, split_rng
 
 REFERENCE_AREA = 128 * 128  # clutter_count defaults to CLUTTER_PER_REFERENCE_AREA pieces per this many pixels
 CLUTTER_PER_REFERENCE_AREA = 16

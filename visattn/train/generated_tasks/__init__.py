@@ -20,9 +20,9 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
-from visattn.train.generated import cluttered_digits, pathfinder
-from visattn.train.generated.common import SPLITS, Task, canvas_hw, parse_options
-from visattn.train.generated.store import load_split
+from visattn.train.generated_tasks import cluttered_digits, pathfinder
+from visattn.train.generated_tasks.common import SPLITS, Task, canvas_hw, parse_options
+from visattn.train.generated_tasks.store import load_split
 
 TASKS: dict[str, Task] = {task.name: task for task in (cluttered_digits.TASK, pathfinder.TASK)}
 

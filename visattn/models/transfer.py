@@ -43,7 +43,7 @@ TRANSFER_MODES = ("joint", "layerwise")
 
 @dataclass
 class TransferResult:
-    """What :func:`linearize` returns: the converted ``model`` and ``losses[epoch][block]``, the mean
+    """What :func:`transfer_attention` returns: the converted ``model`` and ``losses[epoch][block]``, the mean
     training MSE of each block's attention output over the epoch (NaN for a block not trained in it)."""
 
     model: VisionTransformer
@@ -174,7 +174,7 @@ class AttentionTransfer:
         return means
 
 
-def linearize(
+def transfer_attention(
     parent: VisionTransformer,
     attn: str | Sequence[str] = "linear",
     loader: Iterable[Any] = (),
@@ -204,7 +204,7 @@ def linearize(
         ValueError: an unknown mode, epochs < 1, an empty loader, or a type with nothing to learn.
     """
     if epochs < 1:
-        raise ValueError(f"linearize: epochs must be >= 1, got {epochs}")
+        raise ValueError(f"transfer_attention: epochs must be >= 1, got {epochs}")
     student = convert(copy.deepcopy(parent), attn, **attn_kwargs).train()
     transfer = AttentionTransfer(parent, student, mode=mode, train_projections=train_projections)
     optimizer = torch.optim.AdamW(transfer.parameters(), lr=lr, weight_decay=weight_decay)
@@ -212,7 +212,7 @@ def linearize(
     batches = list(loader) if not hasattr(loader, "__len__") else loader
     total_steps = epochs * len(batches)
     if total_steps == 0:
-        raise ValueError("linearize: the loader yields no batches")
+        raise ValueError("transfer_attention: the loader yields no batches")
     history, step = [], 0
     for _ in range(epochs):
         sums = torch.zeros(transfer.depth, dtype=torch.float64, device=device)

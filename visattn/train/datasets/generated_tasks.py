@@ -1,9 +1,9 @@
-"""The generated tasks (:mod:`visattn.train.generated`) as ``--dataset`` names: drawn from a seed at the
+"""The generated tasks (:mod:`visattn.train.generated_tasks`) as ``--dataset`` names: drawn from a seed at the
 config's image size (or at ``canvas_size``) and cached under the data directory, nothing to download."""
 from __future__ import annotations
 
 from visattn.train.datasets.spec import DataSource, DatasetSpec, DataSplits
-from visattn.train.generated import TASKS, load_generated
+from visattn.train.generated_tasks import TASKS, load_generated
 
 # The side the recipes draw at: 128 px, a 32 x 32 grid at patch 4.
 DEFAULT_IMG_SIZE = 128
@@ -21,7 +21,7 @@ def load_generated_splits(name: str, source: DataSource) -> DataSplits:
 
 SPECS: tuple[DatasetSpec, ...] = tuple(
     DatasetSpec(
-        name=name, title=name, reader="visattn.train.generated",
+        name=name, title=name, reader="visattn.train.generated_tasks",
         default_img_size=DEFAULT_IMG_SIZE, official_splits="train / val / test, drawn from a seed (dataset_kwargs)",
         load=lambda source, name=name: load_generated_splits(name, source),
     )

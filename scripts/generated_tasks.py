@@ -1,9 +1,9 @@
 """Time the drawing of a generated dataset's split, and measure how far pathfinder's paths reach in patches.
 
-    python scripts/generated_datasets.py time --dataset pathfinder                    # the recipe's train split
-    python scripts/generated_datasets.py time --dataset cluttered-digits --workers 2 --cache /tmp/generated
-    python scripts/generated_datasets.py reach --patch-size 4 --depth 4 --kernel-size 7
-    python scripts/generated_datasets.py shortcut --img-size 64
+    python scripts/generated_tasks.py time --dataset pathfinder                    # the recipe's train split
+    python scripts/generated_tasks.py time --dataset cluttered-digits --workers 2 --cache /tmp/generated
+    python scripts/generated_tasks.py reach --patch-size 4 --depth 4 --kernel-size 7
+    python scripts/generated_tasks.py shortcut --img-size 64
 
 ``time`` draws the split from scratch (the cache is neither read nor written) in ``--workers``
 processes and prints the wall-clock time and the CPU time of all processes together; with ``--cache
@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from visattn.train.generated import TASKS, drawn_as, pathfinder, store, task_options
+from visattn.train.generated_tasks import TASKS, drawn_as, pathfinder, store, task_options
 
 
 def cpu_seconds() -> float:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image, ImageDraw
 
-from visattn.train.generated.common import SplitSizes, Task, sample_rng
+from visattn.train.generated_tasks.common import SplitSizes, Task, sample_rng
 
 REFERENCE_SIDE = 128  # the published generator's settings below are for 128 px images
 
