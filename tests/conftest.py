@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors. It is read when a kernel
+# module is imported, so it is set here, before any test module imports visattn.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,35 @@
+"""Where the Triton kernels of the ops (``ops/<op>/triton.py``) can run.
+
+Triton ships with torch's Linux wheels; elsewhere (macOS, some aarch64 builds) it is absent and the
+kernels' paths are never chosen. Its interpreter (``TRITON_INTERPRET=1``, read when a kernel module is
+imported) runs the same kernels on CPU tensors: how the test suite checks them on a machine without a
+GPU. Without it a CPU tensor never reaches a kernel.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether a Triton kernel can run on tensors of ``device``: compiled on CUDA, interpreted on the CPU."""
+    if not HAS_TRITON:
+        return False
+    return device.type == "cuda" or (INTERPRETED and device.type == "cpu")
+
+
+def check_triton_runs_on(op: str, device: torch.device) -> None:
+    """Raises a one-line ValueError when ``op``'s ``triton`` path was asked for where it cannot run."""
+    if triton_runs_on(device):
+        return
+    if not HAS_TRITON:
+        raise ValueError(f"{op}: the 'triton' backend needs the triton package, which this torch install lacks")
+    raise ValueError(
+        f"{op}: the 'triton' backend runs on CUDA tensors (or on the CPU with TRITON_INTERPRET=1 set before "
+        f"visattn is imported), got {device.type} tensors"
+    )
