@@ -20,7 +20,7 @@ import torch
 
 from visattn import ops
 from visattn.layers import get_attention
-from visattn.layers.cost import TokenLayout
+from visattn.layers.cost import CostCase, TokenLayout
 from visattn.layers.decay import initial_decay_rates
 
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                 plain, decayed = time_pair(grid, batch, args.heads, args.head_dim, mode == "train", args.rounds)
                 layout = TokenLayout(grid, 0)
                 flops = [
-                    linear.mixing_flops(layout, args.heads, args.head_dim, options)
+                    linear.mixing_flops(CostCase(layout, args.heads, args.head_dim, options))
                     for options in (plain_options, plain_options | {"decay": True})
                 ]
                 tokens = f"{grid[0]}×{grid[1]} ({grid[0] * grid[1]:,})"

@@ -1,6 +1,6 @@
 """The memory each type's token mixing keeps on the paths its op takes on a device
-(:meth:`visattn.layers.GridAttention.mixing_memory_on`): the CPU's figures unchanged, FlexAttention's
-tensors for the local types on CUDA, SDPA's for axial."""
+(:meth:`visattn.layers.GridAttention.mixing_memory` of a case on that device): the CPU's figures unchanged,
+FlexAttention's tensors for the local types on CUDA, SDPA's for axial."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 import visattn
 from visattn.layers import attention_options, get_attention
 from visattn.layers.axial import AxialAttention, sdpa_train_memory
-from visattn.layers.cost import MixingMemory, TokenLayout
+from visattn.layers.cost import CostCase, MixingMemory, TokenLayout
 from visattn.ops.axial import packed_axial_attn
 from visattn.ops.backends import force_backend
 
@@ -21,8 +21,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device is only named 
 def test_on_the_cpu_every_type_states_its_cpu_figures(attn, grid, p):
     layer, layout = get_attention(attn), TokenLayout(grid, p)
     options = attention_options(attn, {}, grid)
-    cpu = layer.mixing_memory_on(CPU, layout, 6, 64, options, 2)
-    assert cpu == layer.mixing_memory(layout, 6, 64, options, 2)
+    cpu = layer.mixing_memory(CostCase(layout, 6, 64, options, 2, CPU))
+    assert cpu == layer.mixing_memory(CostCase(layout, 6, 64, options, 2))
 
 
 # Windows small enough on a 20 x 24 grid that FlexAttention is chosen (not the dense path of short sequences)
@@ -48,9 +48,9 @@ def test_a_local_type_on_cuda_counts_flex_attention_and_no_gathered_copies(attn,
     global_tokens = 2 + options.get("num_extra_global_tokens", 0)
     slots = (128 if global_tokens <= 128 else 256) + 24 * 32
     kept = 4 * slots * 16 * 2 + 2 * 4 * slots
-    cuda = get_attention(attn).mixing_memory_on(CUDA, layout, 2, 8, options, 2)
+    cuda = get_attention(attn).mixing_memory(CostCase(layout, 2, 8, options, 2, CUDA))
     assert cuda == MixingMemory(infer=kept, train=kept, shared=0)
-    cpu = get_attention(attn).mixing_memory_on(CPU, layout, 2, 8, options, 2)
+    cpu = get_attention(attn).mixing_memory(CostCase(layout, 2, 8, options, 2, CPU))
     assert cpu.train > cuda.train and cpu.shared > 0  # the gathered tiles and their mask
 
 
@@ -60,7 +60,8 @@ def test_a_local_type_on_cuda_keeps_the_tiles_where_the_dense_path_runs():
     N x N additive mask instead of the gathered tiles and their mask."""
     layout, options = TokenLayout((14, 14), 1), attention_options("neighborhood", {}, (14, 14))
     layer = get_attention("neighborhood")
-    assert layer.mixing_memory_on(CUDA, layout, 6, 64, options, 2) == layer.mixing_memory(layout, 6, 64, options, 2)
+    cuda, cpu = (layer.mixing_memory(CostCase(layout, 6, 64, options, 2, device)) for device in (CUDA, CPU))
+    assert cuda == cpu
 
 
 def test_axial_on_cuda_counts_what_sdpa_keeps_in_each_hop():
@@ -77,8 +78,8 @@ def test_axial_on_cuda_counts_what_sdpa_keeps_in_each_hop():
     441 x 16 x 2 bytes, plus fp32 log-sum-exps for the 35 + 35 + 2 query rows of the three SDPAs, 2 heads."""
     layout = TokenLayout((5, 7), 2)
     expected = (111 + 35 + 90 + 35 + 35 + 98 + 35 + 2) * 16 * 2 + 4 * 2 * (35 + 35 + 2)
-    cuda = AxialAttention.mixing_memory_on(CUDA, layout, 2, 8, {}, 2)
-    cpu = AxialAttention.mixing_memory(layout, 2, 8, {}, 2)
+    cuda = AxialAttention.mixing_memory(CostCase(layout, 2, 8, {}, 2, CUDA))
+    cpu = AxialAttention.mixing_memory(CostCase(layout, 2, 8, {}, 2))
     assert cuda == cpu._replace(train=expected)  # inference takes plain SDPA on every device
 
 
@@ -104,4 +105,4 @@ def test_axial_sdpa_memory_is_what_autograd_keeps(grid, p):
     qkv = torch.randn(batch, p + grid[0] * grid[1], 3 * heads * d, requires_grad=True)
     with force_backend("axial", "sdpa"):
         saved = _saved_bytes(lambda t: packed_axial_attn(t, heads, grid, p), qkv)
-    assert saved == batch * sdpa_train_memory(TokenLayout(grid, p), heads, d, 4)
+    assert saved == batch * sdpa_train_memory(CostCase(TokenLayout(grid, p), heads, d, act_bytes=4))

@@ -14,7 +14,7 @@ from sklearn.datasets import load_digits
 
 from tests.helpers import assert_rms_close
 from visattn.layers import get_attention
-from visattn.layers.cost import TokenLayout
+from visattn.layers.cost import CostCase, TokenLayout
 from visattn.layers.feature_map import LearnedFeatureMap
 from visattn.models import AttentionTransfer, convert, transfer_attention
 from visattn.ops.backends import choose_linear_projection_backend, force_backend
@@ -188,11 +188,11 @@ def test_learned_map_cost():
     layout = TokenLayout(num_prefix_tokens=1, grid=(8, 8))
     linear = get_attention("linear")
     options = dict(linear.type_options(), dwconv_kernel=None)
-    elu_flops = linear.mixing_flops(layout, 4, 16, options)
-    learned_flops = linear.mixing_flops(layout, 4, 16, dict(options, feature_map="learned"))
+    elu_flops = linear.mixing_flops(CostCase(layout, 4, 16, options))
+    learned_flops = linear.mixing_flops(CostCase(layout, 4, 16, dict(options, feature_map="learned")))
     assert learned_flops - elu_flops == 4 * 65 * 64 * 16  # 4 N C d
-    elu_memory = linear.mixing_memory(layout, 4, 16, options, 4)
-    learned_memory = linear.mixing_memory(layout, 4, 16, dict(options, feature_map="learned"), 4)
+    elu_memory = linear.mixing_memory(CostCase(layout, 4, 16, options, 4))
+    learned_memory = linear.mixing_memory(CostCase(layout, 4, 16, dict(options, feature_map="learned"), 4))
     assert learned_memory.train - elu_memory.train == 2 * 65 * 64 * 4
     assert learned_memory.infer - elu_memory.infer == 2 * 65 * 64 * 4
     layer = linear(64, num_heads=4, feature_map="learned")

@@ -313,11 +313,11 @@ class RefGridProbe(GridAttention):
         return v
 
     @classmethod
-    def mixing_flops(cls, layout, num_heads, head_dim, options):
+    def mixing_flops(cls, case):
         return 0
 
     @classmethod
-    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes):
+    def mixing_memory(cls, case):
         return MixingMemory(infer=0, train=0)
 
 

@@ -9,9 +9,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
+from visattn.layers.linear import decayed_linear_flops
 from visattn.ops import backends
 from visattn.ops.backends import BACKENDS, force_backend
-from visattn.ops.linear import decay, decayed_linear_flops, manhattan_decay
+from visattn.ops.linear import decay
+from visattn.ops.linear.naive_decay import manhattan_decay
 from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
 
 # (batch, heads, grid, prefix tokens, head_dim, tile): several tiles per axis with a partial last one, a

@@ -11,7 +11,7 @@ import timm
 
 import visattn.train.loop as loop
 from visattn.layers import attention_options, get_attention
-from visattn.layers.cost import TokenLayout
+from visattn.layers.cost import CostCase, TokenLayout
 from visattn.train.attention import resolve_attention
 from visattn.train.build import build_model
 from visattn.train.config import make_config
@@ -118,7 +118,7 @@ def test_the_start_states_the_attention_cost_and_warns_past_4096_tokens():
     model = build_model(config, num_classes=3)
     lines = attention_cost_lines(config, model)
     layout = TokenLayout((256, 256), 0)
-    axial = get_attention("axial").mixing_flops(layout, 2, 8, attention_options("axial", {}, (256, 256)))
+    axial = get_attention("axial").mixing_flops(CostCase(layout, 2, 8, attention_options("axial", {}, (256, 256))))
     softmax = 4 * 16 * 65536**2
     assert axial < softmax / 100
     assert lines == [

@@ -27,7 +27,7 @@ Memory
 context, interpreter and libraries are not included): parameters (x4 in training: weights, gradients
 and the two AdamW moments), the activations saved for the backward (training) or the largest live set
 of one block (inference), and each type's own buffers on the paths its op takes on the device
-(:meth:`~visattn.layers.GridAttention.mixing_memory_on`). It is an estimate for deciding what to skip,
+(:meth:`~visattn.layers.GridAttention.mixing_memory`). It is an estimate for deciding what to skip,
 good to a small factor; ``visattn-bench`` measures the real peak.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from visattn.layers import get_attention
-from visattn.layers.cost import TokenLayout
+from visattn.layers.cost import CostCase, TokenLayout
 from visattn.models.shapes import patch_grid
 
 
@@ -108,10 +108,16 @@ class ViTShape:
     def layout(self, img_size: tuple[int, int]) -> TokenLayout:
         return TokenLayout(self.grid(img_size), self.num_prefix_tokens)
 
+    def cost_case(
+        self, img_size: tuple[int, int], options: Mapping[str, Any], act_bytes: int = 4, device: torch.device | str = "cpu"
+    ) -> CostCase:
+        """One block's token mixing at ``img_size``, as the layers' cost hooks take it."""
+        return CostCase(self.layout(img_size), self.num_heads, self.head_dim, options, act_bytes, device)
+
 
 def mixing_flops(attn: str, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any]) -> int:
     """Forward FLOPs of one block's token mixing for one image."""
-    return get_attention(attn).mixing_flops(layout, num_heads, head_dim, options)
+    return get_attention(attn).mixing_flops(CostCase(layout, num_heads, head_dim, options))
 
 
 def patch_embed_flops(shape: ViTShape, img_size: tuple[int, int]) -> int:
@@ -153,10 +159,10 @@ def _stem_flops(shape: ViTShape, img_size: tuple[int, int]) -> list[int]:
 def vit_flops(shape: ViTShape, img_size: tuple[int, int], attn: str, options: Mapping[str, Any]) -> int:
     """Forward FLOPs of the whole model for one image of ``img_size`` (height, width)."""
     layer = get_attention(attn)
-    layout = shape.layout(img_size)
-    n, c = layout.num_tokens, shape.embed_dim
-    block = layer.qkv_flops(layout, c, options) + 2 * n * c * c + 4 * n * c * shape.mlp_hidden
-    mixing = layer.mixing_flops(layout, shape.num_heads, shape.head_dim, options)
+    case = shape.cost_case(img_size, options)
+    n, c = case.layout.num_tokens, shape.embed_dim
+    block = layer.qkv_flops(case) + 2 * n * c * c + 4 * n * c * shape.mlp_hidden
+    mixing = layer.mixing_flops(case)
     return patch_embed_flops(shape, img_size) + shape.depth * (block + mixing) + 2 * c * shape.num_classes
 
 
@@ -191,11 +197,9 @@ def estimate_memory(
     backward, one recomputed block's saved activations. A conv stem adds what its batch norms and ReLUs
     keep for the backward, and in inference its largest convolution's input and output.
     """
-    layout = shape.layout(img_size)
-    n, c, hidden = layout.num_tokens, shape.embed_dim, shape.mlp_hidden
-    mix = get_attention(attn).mixing_memory_on(
-        torch.device(device), layout, shape.num_heads, shape.head_dim, options, act_bytes
-    )
+    case = shape.cost_case(img_size, options, act_bytes, device)
+    n, c, hidden = case.layout.num_tokens, shape.embed_dim, shape.mlp_hidden
+    mix = get_attention(attn).mixing_memory(case)
     image = 3 * img_size[0] * img_size[1] * 4 + 2 * n * c * act_bytes
     mlp_stage = (2 * n * c + 2 * n * hidden) * act_bytes
     attention_stage = 6 * n * c * act_bytes + mix.infer

@@ -14,7 +14,7 @@ import torch
 import visattn.models  # noqa: F401  (registers the visattn_vit_* models with timm)
 from visattn.bench.flops import ViTShape, estimate_memory, train_flops, vit_flops
 from visattn.layers import GridAttention, attention_options, get_attention
-from visattn.layers.cost import MixingMemory, TokenLayout
+from visattn.layers.cost import CostCase, MixingMemory, TokenLayout
 from visattn.tiled import TiledViT, tile_layout
 
 MODES = ("infer", "train")
@@ -266,15 +266,13 @@ def plan_ops_point(args: argparse.Namespace, point: Point) -> list[Result]:
             )
             layout = TokenLayout(grid, 0)
             if attn == EXPLICIT_SOFTMAX:  # the same products as the fused op
-                flops = get_attention("softmax").mixing_flops(layout, args.heads, args.head_dim, {})
+                flops = get_attention("softmax").mixing_flops(CostCase(layout, args.heads, args.head_dim))
                 mix = explicit_softmax_memory(layout, args.heads, args.head_dim, case.act_bytes)
             else:
                 build_layer(case, device="meta")  # checks the options, before any worker starts
                 layer, options = get_attention(attn), attention_options(attn, case.attn_kwargs, grid)
-                flops = layer.mixing_flops(layout, args.heads, args.head_dim, options)
-                mix = layer.mixing_memory_on(
-                    torch.device(case.device), layout, args.heads, args.head_dim, options, case.act_bytes
-                )
+                cost_case = CostCase(layout, args.heads, args.head_dim, options, case.act_bytes, case.device)
+                flops, mix = layer.mixing_flops(cost_case), layer.mixing_memory(cost_case)
             flops *= 3 if mode == "train" else 1  # each product has two products in its backward
             group.append(Result(case, layout.num_tokens, grid, flops, estimate_op_memory(case, layout, mix), 0))
     return group

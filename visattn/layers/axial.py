@@ -1,14 +1,11 @@
 """Axial attention layer (Ho et al. 2019): row, then column softmax attention over the patch grid."""
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.nn as nn
 
 from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory, TokenLayout
+from visattn.layers.cost import CostCase, MixingMemory
 from visattn.ops.axial import axial_attn, packed_axial_attn
 from visattn.ops.backends import choose_axial_backend
 
@@ -41,45 +38,35 @@ class AxialAttention(GridAttention):
         return axial_attn(q, k, v, grid, num_prefix_tokens=self.num_prefix_tokens, dropout_p=self.dropout_p)
 
     @classmethod
-    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+    def mixing_flops(cls, case: CostCase) -> int:
         """``4 C (M (2P + H + W) + P N)``: rows, M queries x (P + W) keys; columns, x (P + H); prefix
         queries, P x N."""
+        layout = case.layout
         (rows, cols), p, m = layout.grid, layout.num_prefix_tokens, layout.num_patches
-        return 4 * num_heads * head_dim * (m * (2 * p + rows + cols) + p * layout.num_tokens)
+        return 4 * case.dim * (m * (2 * p + rows + cols) + p * layout.num_tokens)
 
     @classmethod
-    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
-        """Inference: the row hop's output and the op's output; training: q, k, v, which
-        :func:`visattn.ops.axial_attn` keeps on every path. Left out: the column hop's contiguous copies
-        (inference) and, on the CPU path, the row hop's output and log-sum-exps kept for the backward."""
-        n, c = layout.num_tokens, num_heads * head_dim
-        return MixingMemory(infer=2 * n * c * act_bytes, train=3 * n * c * act_bytes)
-
-    @classmethod
-    def mixing_memory_on(
-        cls,
-        device: torch.device,
-        layout: TokenLayout,
-        num_heads: int,
-        head_dim: int,
-        options: Mapping[str, Any],
-        act_bytes: int,
-    ) -> MixingMemory:
-        """Training on the path :func:`visattn.ops.backends.choose_axial_backend` picks on ``device``: the
-        CPU's (:meth:`mixing_memory`), or autograd through SDPA (off the CPU: :func:`sdpa_train_memory`).
-        Inference takes plain SDPA everywhere."""
-        memory = cls.mixing_memory(layout, num_heads, head_dim, options, act_bytes)
-        if choose_axial_backend(device, 0.0, needs_grad=True) != "sdpa":
-            return memory
-        return memory._replace(train=sdpa_train_memory(layout, num_heads, head_dim, act_bytes))
+    def mixing_memory(cls, case: CostCase) -> MixingMemory:
+        """Inference: the row hop's output and the op's output, on plain SDPA everywhere. Training on the
+        path :func:`visattn.ops.backends.choose_axial_backend` picks on the case's device: on the CPU's,
+        q, k, v, which :func:`visattn.ops.axial_attn` keeps on every path (left out: the column hop's
+        contiguous copies in inference, and the row hop's output and log-sum-exps the CPU path keeps for
+        the backward); off the CPU, autograd through SDPA (:func:`sdpa_train_memory`)."""
+        n, c, act_bytes = case.layout.num_tokens, case.dim, case.act_bytes
+        if choose_axial_backend(case.device, 0.0, needs_grad=True) == "sdpa":
+            train = sdpa_train_memory(case)
+        else:
+            train = 3 * n * c * act_bytes
+        return MixingMemory(infer=2 * n * c * act_bytes, train=train)
 
 
-def sdpa_train_memory(layout: TokenLayout, num_heads: int, head_dim: int, act_bytes: int) -> int:
+def sdpa_train_memory(case: CostCase) -> int:
     """Bytes per image that autograd keeps through :func:`visattn.ops.axial.hops.rows_then_columns` (the
     ``"sdpa"`` path), where every SDPA keeps its q, k, v, its output and an fp32 log-sum-exp per query and
     head: the qkv projection (the prefix queries' keys and values are views of it, or without prefix
     tokens the row hop's), the copies that each hop makes of its sequences, and the hops' outputs. The
     op's own output is the projection's input, counted with the block."""
+    layout = case.layout
     (h, w), p, m = layout.grid, layout.num_prefix_tokens, layout.num_patches
     qkv = 3 * layout.num_tokens
     # rows: with prefix tokens, q's rows are a copy (a view at batch 1, counted as a copy) and k's and
@@ -89,4 +76,4 @@ def sdpa_train_memory(layout: TokenLayout, num_heads: int, head_dim: int, act_by
     column_copies = m + 2 * w * (p + h)
     outputs = 2 * m + p  # the row hop's (the column values), the column hop's, the prefix queries'
     elements = qkv + row_copies + column_copies + outputs
-    return elements * num_heads * head_dim * act_bytes + 4 * num_heads * (2 * m + p)
+    return elements * case.dim * case.act_bytes + 4 * case.num_heads * (2 * m + p)

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 
-from visattn.layers.cost import MixingMemory, TokenLayout
+from visattn.layers.cost import CostCase, MixingMemory
 from visattn.layers.rope import GridRope
 from visattn.ops.checks import check_grid, check_grid_size, check_nonnegative_int
 from visattn.ops.layout import merge_heads, split_qkv
@@ -39,8 +38,8 @@ class GridAttention(nn.Module, ABC):
     """qkv -> token mixing (:meth:`mix`, one op of :mod:`visattn.ops`) -> proj.
 
     Subclasses set ``name`` and the capability flags, implement :meth:`mix`, and state their cost
-    (:meth:`mixing_flops`, :meth:`mixing_memory`, and :meth:`qkv_flops` and :meth:`mixing_memory_on`
-    where they differ), which ``visattn-bench`` reads.
+    (:meth:`mixing_flops`, :meth:`mixing_memory`, and :meth:`qkv_flops` where it differs), each from one
+    :class:`visattn.layers.cost.CostCase`, which ``visattn-bench`` reads.
     """
 
     name: ClassVar[str]
@@ -172,46 +171,25 @@ class GridAttention(nn.Module, ABC):
 
     @classmethod
     @abstractmethod
-    def mixing_flops(cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any]) -> int:
-        """Forward FLOPs of one block's token mixing for one image (counting rules: :mod:`visattn.layers.cost`).
-
-        Args:
-            layout: the prefix tokens and patch grid.
-            num_heads, head_dim: h heads of width d.
-            options: the type options the layer is built with, defaults included.
-        """
+    def mixing_flops(cls, case: CostCase) -> int:
+        """Forward FLOPs of one block's token mixing for one image (counting rules: :mod:`visattn.layers.cost`),
+        from the case's layout, heads and type options."""
         raise NotImplementedError(f"{cls.__name__} states no mixing_flops; the benchmark needs it to count its cost")
 
     @classmethod
     @abstractmethod
-    def mixing_memory(
-        cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any], act_bytes: int
-    ) -> MixingMemory:
-        """Bytes of one block's token mixing with activations of ``act_bytes`` bytes (see :meth:`mixing_flops`),
-        on the paths its op takes on the CPU."""
+    def mixing_memory(cls, case: CostCase) -> MixingMemory:
+        """Bytes of one block's token mixing with activations of ``case.act_bytes`` bytes, on the paths its op
+        takes on ``case.device`` (:mod:`visattn.ops.backends`). The paths are the eager ones: the choosers
+        read ``torch.compiler.is_compiling()``, False outside a compiled graph, so a compiled model is
+        estimated on the eager paths."""
         raise NotImplementedError(f"{cls.__name__} states no mixing_memory; the benchmark needs it to estimate memory")
 
     @classmethod
-    def mixing_memory_on(
-        cls,
-        device: torch.device,
-        layout: TokenLayout,
-        num_heads: int,
-        head_dim: int,
-        options: Mapping[str, Any],
-        act_bytes: int,
-    ) -> MixingMemory:
-        """:meth:`mixing_memory` on the paths the op takes on ``device``: the CPU's figures, unless the type
-        overrides this because its op takes other paths there (:mod:`visattn.ops.backends`) that keep
-        other tensors. The paths are the eager ones: the choosers read ``torch.compiler.is_compiling()``,
-        False outside a compiled graph, so a compiled model is estimated on the eager paths."""
-        return cls.mixing_memory(layout, num_heads, head_dim, options, act_bytes)
-
-    @classmethod
-    def qkv_flops(cls, layout: TokenLayout, dim: int, options: Mapping[str, Any]) -> int:
+    def qkv_flops(cls, case: CostCase) -> int:
         """Forward FLOPs of the qkv projection for one image: ``6 N C^2``. A type that projects part of q,
         k, v on fewer tokens overrides this."""
-        return 6 * layout.num_tokens * dim * dim
+        return 6 * case.layout.num_tokens * case.dim * case.dim
 
     @classmethod
     def type_options(cls) -> dict[str, Any]:

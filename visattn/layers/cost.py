@@ -2,25 +2,28 @@
 
 Each layer class states its own cost as classmethods (:meth:`GridAttention.mixing_flops`,
 :meth:`GridAttention.mixing_memory` and, where the type projects q, k, v differently,
-:meth:`GridAttention.qkv_flops`), so a new attention type is one layer module plus one registry line
-and the benchmark needs nothing more. Whole-model totals are :mod:`visattn.bench.flops`.
+:meth:`GridAttention.qkv_flops`), each taking one :class:`CostCase`, so a new attention type is one layer
+module plus one registry line and the benchmark needs nothing more. Whole-model totals are
+:mod:`visattn.bench.flops`.
 
 Counting rules: FLOPs are those of the matrix products (2 per multiply-add), the convention of fvcore
 and of timm's ``infer_gmacs`` (GMACs = GFLOPs / 2); elementwise work (norms, softmax, feature maps,
 masks) is not counted. The count is of the model's math, as for model-FLOPs utilisation: work an
 implementation repeats to save memory (a backward pass that recomputes) is not counted. Memory is
 bytes, from the implementation: what one block's token mixing keeps alive, on the paths its op takes on
-the device it is estimated for (the choice of :mod:`visattn.ops.backends`, asked with that device and
-without dropout).
+the case's device (the choice of :mod:`visattn.ops.backends`, asked with that device and without dropout).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 
 from visattn.ops.backends import choose_local_backend
+from visattn.ops.checks import check_positive_int
 from visattn.ops.local import AxisTiling
 from visattn.ops.local.engine import dense_is_cheaper, is_self_only
 from visattn.ops.local.flex import sequence_length
@@ -42,6 +45,38 @@ class TokenLayout:
         return self.num_prefix_tokens + self.num_patches
 
 
+@dataclass(frozen=True)
+class CostCase:
+    """One block's token mixing for one image, as every cost hook of a layer class takes it.
+
+    Attributes:
+        layout: the prefix tokens and the patch grid.
+        num_heads, head_dim: h heads of width d; :attr:`dim` is C = h d.
+        options: the type options the layer is built with, defaults included
+            (:func:`visattn.layers.attention_options`); read-only.
+        act_bytes: bytes of one activation element (2 for bf16 and fp16, 4 for fp32); memory only.
+        device: the device whose op paths the memory is counted on (``"cpu"`` or a torch.device); memory only.
+    """
+
+    layout: TokenLayout
+    num_heads: int
+    head_dim: int
+    options: Mapping[str, Any] = field(default_factory=dict)
+    act_bytes: int = 4
+    device: torch.device = torch.device("cpu")
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "act_bytes"):
+            check_positive_int(getattr(self, name), name, "CostCase")
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+        object.__setattr__(self, "device", torch.device(self.device))
+
+    @property
+    def dim(self) -> int:
+        """C, the width of q, k, v and of the embedding: heads x head_dim."""
+        return self.num_heads * self.head_dim
+
+
 class MixingMemory(NamedTuple):
     """Bytes of one block's token mixing, per image unless said otherwise."""
 
@@ -50,27 +85,20 @@ class MixingMemory(NamedTuple):
     shared: int = 0  # per block and batch-independent: masks, resampled projections
 
 
-def windowed_flops(layout: TokenLayout, channels: int, rows: AxisTiling, cols: AxisTiling) -> int:
+def windowed_flops(case: CostCase, rows: AxisTiling, cols: AxisTiling) -> int:
     """4 C per (query, key) pair: each patch query with the keys of its window (``rows`` x ``cols``), each
     prefix query with all N tokens. The tiled engine also scores the rest of each tile's key region and
     masks it out; those products are not credited."""
-    return 4 * channels * (rows.keys_seen * cols.keys_seen + layout.num_prefix_tokens * layout.num_tokens)
+    layout = case.layout
+    return 4 * case.dim * (rows.keys_seen * cols.keys_seen + layout.num_prefix_tokens * layout.num_tokens)
 
 
-def tiled_memory(
-    layout: TokenLayout,
-    num_heads: int,
-    head_dim: int,
-    rows: AxisTiling,
-    cols: AxisTiling,
-    num_visible: int,
-    act_bytes: int,
-) -> MixingMemory:
+def tiled_memory(case: CostCase, rows: AxisTiling, cols: AxisTiling, num_visible: int) -> MixingMemory:
     """The tiled local engine (:func:`visattn.ops.local.tiled_local_attn`). Inference runs the tiles
     in cache-sized chunks into the output. Training gathers the padded query tiles and each tile's key
     region (plus the ``num_visible`` prefix keys), which the fused SDPA keeps with its output and an fp32
     log-sum-exp per query. The additive mask (queries x keys of every tile) is cached per layout."""
-    c = num_heads * head_dim
+    layout, num_heads, c, act_bytes = case.layout, case.num_heads, case.dim, case.act_bytes
     queries = rows.num_tiles * rows.tile * cols.num_tiles * cols.tile  # padded
     keys_per_tile = rows.region * cols.region + num_visible
     keys = rows.num_tiles * cols.num_tiles * keys_per_tile  # gathered, for k and again for v
@@ -82,41 +110,32 @@ def tiled_memory(
     )
 
 
-def flex_memory(num_heads: int, head_dim: int, slots: int, act_bytes: int) -> MixingMemory:
+def flex_memory(case: CostCase, slots: int) -> MixingMemory:
     """The tiled local engine on FlexAttention (:func:`visattn.ops.local.flex.flex_local_attn`), over
     ``slots`` tokens in tile order: q, k and v copied into that order, the kernel's output and its fp32
     log-sum-exp per slot and head, all kept for the backward. No gathered tiles and no mask (the block
     mask's tables, a few kB per layout, are left out); the qkv projection is not kept, since the
     permutation's backward needs only its indices."""
-    kept = 4 * slots * num_heads * head_dim * act_bytes + 4 * num_heads * slots
+    kept = 4 * slots * case.dim * case.act_bytes + 4 * case.num_heads * slots
     return MixingMemory(infer=kept, train=kept)
 
 
 def local_memory(
-    layout: TokenLayout,
-    num_heads: int,
-    head_dim: int,
-    rows: AxisTiling,
-    cols: AxisTiling,
-    num_prefix_tokens: int,
-    prefix_visible: bool,
-    act_bytes: int,
-    device: torch.device,
+    case: CostCase, rows: AxisTiling, cols: AxisTiling, num_prefix_tokens: int, prefix_visible: bool
 ) -> MixingMemory:
     """The tiled local engine (:func:`visattn.ops.local.tiled_local_attn`, with its ``num_prefix_tokens``
-    and ``prefix_visible``) on the path :func:`visattn.ops.backends.choose_local_backend` picks on
-    ``device`` in each mode: :func:`flex_memory` on FlexAttention, else :func:`tiled_memory`. The dense path
+    and ``prefix_visible``) on the path :func:`visattn.ops.backends.choose_local_backend` picks on the
+    case's device in each mode: :func:`flex_memory` on FlexAttention, else :func:`tiled_memory`. The dense path
     of short sequences is counted as the tiles too, an approximation: it keeps an N x N additive mask
     instead of the gathered tiles and their mask."""
     self_only = is_self_only(rows, cols, num_prefix_tokens, prefix_visible)
     dense = dense_is_cheaper(rows, cols, num_prefix_tokens, prefix_visible)
 
     def on_path(needs_grad: bool) -> MixingMemory:
-        if choose_local_backend(device, needs_grad, 0.0, self_only, dense) == "flex":
-            slots = sequence_length(layout.grid, num_prefix_tokens)
-            return flex_memory(num_heads, head_dim, slots, act_bytes)
+        if choose_local_backend(case.device, needs_grad, 0.0, self_only, dense) == "flex":
+            return flex_memory(case, sequence_length(case.layout.grid, num_prefix_tokens))
         num_visible = num_prefix_tokens if prefix_visible else 0
-        return tiled_memory(layout, num_heads, head_dim, rows, cols, num_visible, act_bytes)
+        return tiled_memory(case, rows, cols, num_visible)
 
     infer, train = on_path(False), on_path(True)
     # where the two modes' paths differ (the CPU's chunks and gathered tiles) both read the same mask

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory
+from visattn.layers.cost import CostCase, MixingMemory
 
 
 class FloorAttention(GridAttention):
@@ -22,9 +22,9 @@ class FloorAttention(GridAttention):
         return v
 
     @classmethod
-    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+    def mixing_flops(cls, case: CostCase) -> int:
         return 0
 
     @classmethod
-    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+    def mixing_memory(cls, case: CostCase) -> MixingMemory:
         return MixingMemory(infer=0, train=0)

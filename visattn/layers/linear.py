@@ -9,20 +9,15 @@ import torch
 import torch.nn as nn
 
 from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory
+from visattn.layers.cost import CostCase, MixingMemory
 from visattn.layers.decay import SpatialDecay, check_decay_option
 from visattn.layers.feature_map import (
     LEARNED_BASE_MAP, LEARNED_FEATURE_MAP, LearnedFeatureMap, check_feature_map_option,
 )
 from visattn.ops.backends import choose_linear_projection_backend, select_backend
 from visattn.ops.layout import image_to_tokens, merge_heads, split_heads, split_prefix, tokens_to_image
-from visattn.ops.linear import (
-    decayed_linear_attn,
-    decayed_linear_flops,
-    fused_qkv_linear_attn,
-    linear_attn,
-    packed_linear_attn,
-)
+from visattn.ops.linear import decayed_linear_attn, fused_qkv_linear_attn, linear_attn, packed_linear_attn
+from visattn.ops.linear.decay import TILE_SIZE
 
 
 class LinearAttention(GridAttention):
@@ -169,29 +164,29 @@ class LinearAttention(GridAttention):
         return super().extra_repr() + f", feature_map={self.feature_map!r}"
 
     @classmethod
-    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+    def mixing_flops(cls, case: CostCase) -> int:
         """``4 N C (d + 1)``: the state phi(K)^T [V | 1] and phi(Q) [S | z] are ``2 N d (d + 1)`` each per head;
         with ``rope``, ``2 N C (2 d + 1)``: (R phi(K))^T V and (R phi(Q)) S are ``2 N d^2`` each, the
         normalizer phi(Q) z ``2 N d``;
-        with ``decay``, instead, the products of :func:`visattn.ops.linear.decayed_linear_flops` per head;
+        with ``decay``, instead, the products of :func:`decayed_linear_flops` per head;
         plus ``2 M C k^2`` for the depthwise k x k convolution over the M patches (``dwconv_kernel``);
         plus ``4 N C d`` for a learned feature map (q and k through a d x d matrix per head)."""
-        n, c = layout.num_tokens, num_heads * head_dim
+        layout, options, d = case.layout, case.options, case.head_dim
+        n, c = layout.num_tokens, case.dim
+        rotated = options.get("rope") is not None
         if check_decay_option(options.get("decay"), cls.name) is None:
-            rotated = options.get("rope") is not None
-            flops = 2 * n * c * (2 * head_dim + 1) if rotated else 4 * n * c * (head_dim + 1)
+            flops = 2 * n * c * (2 * d + 1) if rotated else 4 * n * c * (d + 1)
         else:
-            rotated = options.get("rope") is not None
-            flops = num_heads * decayed_linear_flops(layout.grid, layout.num_prefix_tokens, head_dim, rotated=rotated)
+            flops = case.num_heads * decayed_linear_flops(layout.grid, layout.num_prefix_tokens, d, rotated=rotated)
         kernel = options["dwconv_kernel"]
         if kernel:
             flops += 2 * layout.num_patches * c * kernel**2
         if options.get("feature_map") == LEARNED_FEATURE_MAP:
-            flops += LearnedFeatureMap.flops(n, num_heads, head_dim)
+            flops += LearnedFeatureMap.flops(n, case.num_heads, d)
         return flops
 
     @classmethod
-    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+    def mixing_memory(cls, case: CostCase) -> MixingMemory:
         """Token blocks of fp32 work stay small; the output is the only N x C tensor. The backward keeps q,
         k, v (the qkv output) and the (d, d + 1) state, and recomputes the feature maps.
 
@@ -202,12 +197,13 @@ class LinearAttention(GridAttention):
 
         A learned feature map adds the mapped q and k, two N x C tensors, live in the forward and kept
         for the backward (the matrices' gradient needs q and k, the op's the mapped ones)."""
-        n, c = layout.num_tokens, num_heads * head_dim
+        layout, options, act_bytes = case.layout, case.options, case.act_bytes
+        n, c, heads, d = layout.num_tokens, case.dim, case.num_heads, case.head_dim
         infer, train = n * c * act_bytes, 3 * n * c * act_bytes
         if check_decay_option(options.get("decay"), cls.name) is not None:
-            states = 6 * num_heads * layout.grid[1] * head_dim * (head_dim + 1)
-            infer += (8 * n * (c + num_heads) + states) * 4
-            train += 6 * n * (c + num_heads) * 4
+            states = 6 * heads * layout.grid[1] * d * (d + 1)
+            infer += (8 * n * (c + heads) + states) * 4
+            train += 6 * n * (c + heads) * 4
         if options["dwconv_kernel"]:
             infer += 3 * layout.num_patches * c * act_bytes
             train += 2 * layout.num_patches * c * act_bytes
@@ -215,3 +211,35 @@ class LinearAttention(GridAttention):
             infer += 2 * n * c * act_bytes
             train += 2 * n * c * act_bytes
         return MixingMemory(infer=infer, train=train)
+
+
+def decayed_linear_flops(
+    grid: tuple[int, int], num_prefix_tokens: int, head_dim: int, tile_size: int = TILE_SIZE, rotated: bool = False
+) -> int:
+    """Forward FLOPs of :func:`visattn.ops.decayed_linear_attn` for one head and one image: 2 per multiply-add
+    of every product it computes, the zero padding of partial tiles included. ``rotated`` (a rope table): the
+    numerator's product on d values and the normalizer's on one, instead of one product on d + 1."""
+    if rotated:
+        return sum(_decayed_sums_flops(grid, num_prefix_tokens, head_dim, m, tile_size) for m in (head_dim, 1))
+    return _decayed_sums_flops(grid, num_prefix_tokens, head_dim, head_dim + 1, tile_size)
+
+
+def _decayed_sums_flops(grid: tuple[int, int], num_prefix_tokens: int, d: int, m: int, tile_size: int) -> int:
+    """FLOPs of the op's tiled sums (``visattn.ops.linear.decay._decayed_sums``) with keys of width d and
+    values of width m: the explicit scores of each tile, the edge sums within a tile-row, the column states
+    swept down and up the grid, and the prefix tokens' plain products."""
+    height, width = grid
+    th, tw = min(tile_size, height), min(tile_size, width)
+    n_rows, n_cols = -(-height // th), -(-width // tw)
+    tile = th * tw
+    per_tile_row = n_cols * tile * tile * (d + m)  # explicit scores and their sum over values
+    state_filter = n_cols * tw * tw * d * m if tw > 1 else 0  # Gamma_W within tiles
+    if n_cols > 1:
+        # edge sums, carried across, rows mixed (a single row needs no mixing), read; both edges at once
+        per_tile_row += tile * n_cols * d * 2 * m + 2 * th * n_cols**2 * d * m + tile * n_cols * d * 2 * m
+        per_tile_row += th * th * n_cols * d * 2 * m if th > 1 else 0
+        state_filter += 2 * (2 * n_cols * tw * d * m + n_cols**2 * d * m)  # to the edges, across, back
+    # each sweep: a summary of every tile-row but the last, a filtered state read by every one but the first
+    sweeps = 2 * (n_rows - 1) * (2 * tile * n_cols * d * m + state_filter)
+    prefix = 2 * (num_prefix_tokens + height * width) * d * m if num_prefix_tokens else 0
+    return 2 * (n_rows * per_tile_row + sweeps + prefix)

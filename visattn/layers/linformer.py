@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory
+from visattn.layers.cost import CostCase, MixingMemory
 from visattn.ops.layout import merge_heads, split_heads
 from visattn.ops.linformer import area_pooling_projection, linformer_attn, project_keys_values, resample_projection
 
@@ -96,27 +96,27 @@ class LinformerAttention(GridAttention):
         return super().extra_repr() + f", k={self.k}, ref_grid={self.ref_grid}"
 
     @classmethod
-    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+    def mixing_flops(cls, case: CostCase) -> int:
         """``4 C (k M + N (P + k))``: K and V projected to k tokens, then N x (P + k) attention."""
-        k, p = options["k"], layout.num_prefix_tokens
-        return 4 * num_heads * head_dim * (k * layout.num_patches + layout.num_tokens * (p + k))
+        layout, k = case.layout, case.options["k"]
+        return 4 * case.dim * (k * layout.num_patches + layout.num_tokens * (layout.num_prefix_tokens + k))
 
     @classmethod
-    def qkv_flops(cls, layout, dim, options) -> int:
+    def qkv_flops(cls, case: CostCase) -> int:
         """With k < H W the keys and values are projected from ``E X`` (see :meth:`project_and_mix`), on
         P + k tokens instead of N: ``2 N C^2 + 4 (P + k) C^2`` (counted without a key norm)."""
-        k = options["k"]
+        layout, k, c = case.layout, case.options["k"], case.dim
         if k >= layout.num_patches:
-            return super().qkv_flops(layout, dim, options)
-        return 2 * layout.num_tokens * dim * dim + 4 * (layout.num_prefix_tokens + k) * dim * dim
+            return super().qkv_flops(case)
+        return 2 * layout.num_tokens * c * c + 4 * (layout.num_prefix_tokens + k) * c * c
 
     @classmethod
-    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
+    def mixing_memory(cls, case: CostCase) -> MixingMemory:
         """Projected keys and values (k x C each) and the output; the backward keeps q, k, v. Each block
         resamples its two (k, H W) projections, shared by the batch; the backward keeps them."""
-        k, n, c = options["k"], layout.num_tokens, num_heads * head_dim
+        k, n, c, act_bytes = case.options["k"], case.layout.num_tokens, case.dim, case.act_bytes
         return MixingMemory(
             infer=(n * c + 4 * k * c) * act_bytes,
             train=(4 * n * c + 4 * k * c) * act_bytes,
-            shared=2 * k * layout.num_patches * 4,
+            shared=2 * k * case.layout.num_patches * 4,
         )

@@ -5,10 +5,8 @@ from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory, TokenLayout, local_memory, tiled_memory, windowed_flops
+from visattn.layers.cost import CostCase, MixingMemory, local_memory, windowed_flops
 from visattn.ops.local import AxisTiling
 
 
@@ -22,25 +20,11 @@ class LocalWindowAttention(GridAttention):
         """The tiling of the rows and of the columns of ``grid`` with the type ``options``."""
 
     @classmethod
-    def mixing_flops(cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any]) -> int:
-        return windowed_flops(layout, num_heads * head_dim, *cls.window_tilings(layout.grid, options))
+    def mixing_flops(cls, case: CostCase) -> int:
+        return windowed_flops(case, *cls.window_tilings(case.layout.grid, case.options))
 
     @classmethod
-    def mixing_memory(
-        cls, layout: TokenLayout, num_heads: int, head_dim: int, options: Mapping[str, Any], act_bytes: int
-    ) -> MixingMemory:
-        return tiled_memory(layout, num_heads, head_dim, *cls.window_tilings(layout.grid, options), 0, act_bytes)
-
-    @classmethod
-    def mixing_memory_on(
-        cls,
-        device: torch.device,
-        layout: TokenLayout,
-        num_heads: int,
-        head_dim: int,
-        options: Mapping[str, Any],
-        act_bytes: int,
-    ) -> MixingMemory:
+    def mixing_memory(cls, case: CostCase) -> MixingMemory:
         """FlexAttention's tensors where the engine takes it (CUDA), else the tiles' (:func:`local_memory`)."""
-        rows, cols = cls.window_tilings(layout.grid, options)
-        return local_memory(layout, num_heads, head_dim, rows, cols, layout.num_prefix_tokens, False, act_bytes, device)
+        rows, cols = cls.window_tilings(case.layout.grid, case.options)
+        return local_memory(case, rows, cols, case.layout.num_prefix_tokens, False)

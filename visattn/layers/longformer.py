@@ -1,14 +1,13 @@
 """2D Longformer layer (ViL-style): local windows on the patch grid plus global tokens."""
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from visattn.layers.base import GridAttention
-from visattn.layers.cost import MixingMemory, TokenLayout, local_memory, tiled_memory
+from visattn.layers.cost import CostCase, MixingMemory, local_memory
 from visattn.layers.neighborhood import NeighborhoodAttention
 from visattn.layers.sparse import SparseAttention
 from visattn.ops.checks import check_nonnegative_int
@@ -99,39 +98,22 @@ class LongformerAttention(GridAttention):
         )
 
     @classmethod
-    def mixing_flops(cls, layout, num_heads, head_dim, options) -> int:
+    def mixing_flops(cls, case: CostCase) -> int:
         """``4 C (S_H S_W + M G + G (G + M))`` with the keys S of the local window (see the neighborhood and
         sparse layers) and G = P + extra global tokens; ``+ 6 E C^2`` to project the E extra global
         tokens (once per forward, whatever the batch; counted per image as if the batch were 1)."""
-        rows, cols = cls._tilings(layout.grid, options)
-        extra = options["num_extra_global_tokens"]
-        g, m, c = layout.num_prefix_tokens + extra, layout.num_patches, num_heads * head_dim
+        rows, cols = cls._tilings(case.layout.grid, case.options)
+        extra = case.options["num_extra_global_tokens"]
+        g, m, c = case.layout.num_prefix_tokens + extra, case.layout.num_patches, case.dim
         return 4 * c * (rows.keys_seen * cols.keys_seen + m * g + g * (g + m)) + 6 * extra * c * c
 
     @classmethod
-    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes) -> MixingMemory:
-        g = cls._num_global(layout, options)
-        return tiled_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), g, act_bytes)
-
-    @classmethod
-    def mixing_memory_on(
-        cls,
-        device: torch.device,
-        layout: TokenLayout,
-        num_heads: int,
-        head_dim: int,
-        options: Mapping[str, Any],
-        act_bytes: int,
-    ) -> MixingMemory:
+    def mixing_memory(cls, case: CostCase) -> MixingMemory:
         """FlexAttention's tensors where the engine takes it (CUDA), else the tiles'
-        (:func:`visattn.layers.cost.local_memory`), with the global tokens seen by every patch."""
-        g = cls._num_global(layout, options)
-        return local_memory(layout, num_heads, head_dim, *cls._tilings(layout.grid, options), g, True, act_bytes, device)
-
-    @staticmethod
-    def _num_global(layout: TokenLayout, options: Mapping[str, Any]) -> int:
-        """The global keys every patch sees: the prefix tokens and the extra global tokens."""
-        return layout.num_prefix_tokens + options["num_extra_global_tokens"]
+        (:func:`visattn.layers.cost.local_memory`), with the global tokens seen by every patch: the prefix
+        tokens and the extra global tokens."""
+        num_global = case.layout.num_prefix_tokens + case.options["num_extra_global_tokens"]
+        return local_memory(case, *cls._tilings(case.layout.grid, case.options), num_global, True)
 
     @staticmethod
     def _tilings(grid, options) -> tuple[AxisTiling, AxisTiling]:

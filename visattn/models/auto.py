@@ -42,7 +42,7 @@ import torch
 
 from visattn.layers import get_attention, list_attentions
 from visattn.layers.registry import attention_options
-from visattn.layers.cost import TokenLayout
+from visattn.layers.cost import CostCase, TokenLayout
 from visattn.models.shapes import MODEL_SHAPES, patch_grid
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def cuda_choice(model_name: str, grid: tuple[int, int], gap: float = CUDA_EFFICI
         if name in NOT_CHOSEN:
             continue
         options = attention_options(name, {}, tuple(grid))
-        flops[name] = get_attention(name).mixing_flops(layout, heads, head_dim, options)
+        flops[name] = get_attention(name).mixing_flops(CostCase(layout, heads, head_dim, options))
     cheapest = min((n for n in flops if n != "softmax"), key=flops.get)
     return cheapest if gap * flops[cheapest] < flops["softmax"] else "softmax"
 

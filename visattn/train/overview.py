@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from visattn.layers import attention_options, get_attention, list_attentions
-from visattn.layers.cost import TokenLayout
+from visattn.layers.cost import CostCase, TokenLayout
 from visattn.train.config import MAX_DEFAULT_TOKENS, TrainConfig
 from visattn.train.data import DataSplits, ImageCheck, choose_normalization, describe_unreadable
 from visattn.train.run_log import significant
@@ -53,7 +53,7 @@ def attention_cost_lines(config: TrainConfig, model: nn.Module) -> list[str]:
 
     def block_flops(name: str, kwargs: dict) -> int:
         options = attention_options(name, kwargs, layout.grid)
-        return get_attention(name).mixing_flops(layout, heads, head_dim, options)
+        return get_attention(name).mixing_flops(CostCase(layout, heads, head_dim, options))
 
     total = 0
     for block in model.blocks:

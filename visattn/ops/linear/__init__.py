@@ -8,7 +8,7 @@ cache-sized token blocks with its own backward (and :func:`packed_linear_attn` o
 """
 from visattn.ops.linear.blocked import blocked_linear_attn, packed_linear_attn
 from visattn.ops.linear.chunk import chunk_linear_attn
-from visattn.ops.linear.decay import decayed_linear_attn, decayed_linear_flops
+from visattn.ops.linear.decay import decayed_linear_attn
 from visattn.ops.linear.feature_maps import FEATURE_MAPS, FeatureMap, get_feature_map
 from visattn.ops.linear.functional import linear_attn
 from visattn.ops.linear.fused import fused_qkv_linear_attn
@@ -24,7 +24,6 @@ __all__ = [
     "checkpointed_plain_linear_attn",
     "chunk_linear_attn",
     "decayed_linear_attn",
-    "decayed_linear_flops",
     "fused_qkv_linear_attn",
     "get_feature_map",
     "linear_attn",

@@ -346,33 +346,3 @@ def _decayed_sums(
     prefix_state = b_pre.transpose(-2, -1) @ c_pre  # (B, heads, p, m): the prefix keys, undecayed
     all_state = prefix_state + b_grid.transpose(-2, -1) @ c_grid
     return torch.cat([a_pre @ all_state, sums + a_grid @ prefix_state], dim=2)
-
-
-def decayed_linear_flops(
-    grid: tuple[int, int], num_prefix_tokens: int, head_dim: int, tile_size: int = TILE_SIZE, rotated: bool = False
-) -> int:
-    """Forward FLOPs of :func:`decayed_linear_attn` for one head and one image: 2 per multiply-add of
-    every product it computes, the zero padding of partial tiles included. ``rotated`` (a rope table): the
-    numerator's product on d values and the normalizer's on one, instead of one product on d + 1."""
-    if rotated:
-        return sum(_sums_flops(grid, num_prefix_tokens, head_dim, m, tile_size) for m in (head_dim, 1))
-    return _sums_flops(grid, num_prefix_tokens, head_dim, head_dim + 1, tile_size)
-
-
-def _sums_flops(grid: tuple[int, int], num_prefix_tokens: int, d: int, m: int, tile_size: int) -> int:
-    """FLOPs of :func:`_decayed_sums` with keys of width d and values of width m."""
-    height, width = grid
-    th, tw = min(tile_size, height), min(tile_size, width)
-    n_rows, n_cols = -(-height // th), -(-width // tw)
-    tile = th * tw
-    per_tile_row = n_cols * tile * tile * (d + m)  # explicit scores and their sum over values
-    state_filter = n_cols * tw * tw * d * m if tw > 1 else 0  # Gamma_W within tiles
-    if n_cols > 1:
-        # edge sums, carried across, rows mixed (a single row needs no mixing), read; both edges at once
-        per_tile_row += tile * n_cols * d * 2 * m + 2 * th * n_cols**2 * d * m + tile * n_cols * d * 2 * m
-        per_tile_row += th * th * n_cols * d * 2 * m if th > 1 else 0
-        state_filter += 2 * (2 * n_cols * tw * d * m + n_cols**2 * d * m)  # to the edges, across, back
-    # each sweep: a summary of every tile-row but the last, a filtered state read by every one but the first
-    sweeps = 2 * (n_rows - 1) * (2 * tile * n_cols * d * m + state_filter)
-    prefix = 2 * (num_prefix_tokens + height * width) * d * m if num_prefix_tokens else 0
-    return 2 * (n_rows * per_tile_row + sweeps + prefix)
