@@ -1,21 +1,29 @@
-"""The site's home page, its results index and the figures the README quotes: the home page guides to every page
-of the site and shows the README's tables by inclusion, never as a copy; the results index lists every dated page
-and says which kept their files; the README's figures are those of the files behind them."""
+"""The site's home page, its generated parts, its results index and the figures the README quotes: the home page
+guides to every page of the site and shows the README's tables as generated copies; every generated part of a page
+is what scripts/docs_hooks.py generates now, so a page reads on a repository page as on the site; every results page
+opens with its topic and status, and the results index, generated from them, lists each page once under its topic
+and says which are current and which kept their files; the README's figures are those of the files behind them."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
+
+from tests.helpers import load_script
+from visattn.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 README = (REPO / "README.md").read_text()
 HOME = (DOCS / "index.md").read_text()
 RESULTS_INDEX = (DOCS / "results" / "index.md").read_text()
+HOOKS = load_script("docs_hooks")
 
 
 def _nav_pages(nav) -> list[str]:
@@ -27,7 +35,7 @@ def _nav_pages(nav) -> list[str]:
 
 
 NAV = _nav_pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"])
-INCLUDED = re.findall(r'^--8<-- "README\.md:([\w-]+)"$', HOME, flags=re.M)
+GENERATED_IN_HOME = {match["name"]: match["body"] for match in HOOKS.REGION.finditer(HOME)}
 
 
 def _links(text: str) -> set[str]:
@@ -35,8 +43,8 @@ def _links(text: str) -> set[str]:
 
 
 def _readme_section(name: str) -> str:
-    match = re.search(rf"<!-- --8<-- \[start:{name}\] -->\n(.*?)<!-- --8<-- \[end:{name}\] -->", README, flags=re.S)
-    assert match, f"README.md has no section {name!r} (<!-- --8<-- [start:{name}] --> ... [end:{name}])"
+    match = re.search(rf"<!-- section: {name} -->\n(.*?)<!-- end section: {name} -->", README, flags=re.S)
+    assert match, f"README.md has no section {name!r} (<!-- section: {name} --> ... <!-- end section: {name} -->)"
     return match.group(1)
 
 
@@ -64,12 +72,15 @@ def test_the_home_page_map_follows_the_path_from_a_first_run_to_the_reference():
     assert positions == sorted(positions)
 
 
-def test_the_home_page_includes_the_readmes_tables_and_copies_none():
-    assert INCLUDED == ["which-type", "gpu", "results"]
-    assert all(_table_rows(_readme_section(name)) for name in INCLUDED)
-    # a table written into the home page could drift from the README's; included, it cannot
-    assert not [line for line in HOME.splitlines() if line.startswith("|")]
-    assert not re.search(r"\d+\.\d+%", HOME)
+def test_the_home_page_shows_the_readmes_tables_as_generated_copies_and_writes_none_by_hand():
+    assert list(GENERATED_IN_HOME) == ["readme:which-type", "readme:gpu", "readme:results"]
+    for name, body in GENERATED_IN_HOME.items():
+        section = _readme_section(name.removeprefix("readme:"))
+        assert _table_rows(section) and body.strip() == section.strip(), name
+    # a table written by hand into the home page could drift from the README's; generated, a test keeps it equal
+    by_hand = HOOKS.REGION.sub("", HOME)
+    assert not [line for line in by_hand.splitlines() if line.startswith("|")]
+    assert not re.search(r"\d+\.\d+%", by_hand)
 
 
 def test_the_home_page_shows_the_picture_the_readme_shows():
@@ -106,18 +117,121 @@ def test_the_python_version_the_pages_name_is_the_packages():
     assert named == {required.removeprefix(">=")}
 
 
-# -- the results index -----------------------------------------------------------------------------------------------
+# -- the generated parts -------------------------------------------------------------------------------------------
+GENERATED_PAGES = HOOKS.generated_pages(DOCS)
+
+
+def test_the_generated_parts_are_the_config_table_the_readmes_tables_and_the_results_index():
+    names = {match["name"] for page in GENERATED_PAGES for match in HOOKS.REGION.finditer(page.read_text())}
+    assert names == {"trainconfig-fields", "readme:which-type", "readme:gpu", "readme:results", "results-index"}
+
+
+@pytest.mark.parametrize("page", GENERATED_PAGES, ids=lambda page: str(page.relative_to(DOCS)))
+def test_every_generated_part_is_what_the_hook_generates_now(page):
+    text = page.read_text()
+    assert HOOKS.refresh(text) == text, f"{page.relative_to(REPO)} is out of date: python scripts/docs_hooks.py rewrites it"
+
+
+@pytest.mark.parametrize("page, edit", [
+    ("results/index.md", lambda text: text.replace("| **current** |", "| current |", 1)),
+    ("configuration.md", lambda text: re.sub(r"^\| `seed` .*\n", "", text, flags=re.M)),
+    ("index.md", lambda text: text.replace("| timm (flash attention) |", "| timm |", 1)),
+])
+def test_a_stale_generated_part_is_written_afresh(page, edit):
+    text = (DOCS / page).read_text()
+    stale = edit(text)
+    assert stale != text and HOOKS.refresh(stale) == text
+
+
+def test_the_configuration_reference_lists_every_trainconfig_field():
+    keys = re.findall(r"^\| `(\w+)` \| `--", (DOCS / "configuration.md").read_text(), flags=re.M)
+    assert keys == [field.name for field in dataclasses.fields(TrainConfig)]
+
+
+def _readme_doc_links() -> list[str]:
+    return sorted({target.partition("#")[0] for target in re.findall(r"\]\((docs/[^)\s]+\.md)(?:#[^)]*)?\)", README)})
+
+
+@pytest.mark.parametrize("target", _readme_doc_links())
+def test_every_page_the_readme_links_reads_on_a_repository_page(target):
+    text = (REPO / target).read_text()
+    assert "--8<--" not in text, f"{target} holds a snippet marker"
+    assert not re.search(r"^:::", text, flags=re.M), f"{target} holds a directive that only the site expands"
+    assert all(match["body"].strip() for match in HOOKS.REGION.finditer(text)), f"{target}: an empty generated part"
+
+
+def test_the_changelog_page_links_the_changelog_and_the_site_shows_it_there():
+    assert "](../CHANGELOG.md)" in (DOCS / "changelog.md").read_text()
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="changelog.md"))
+    shown = HOOKS.on_page_markdown("", page, {"docs_dir": str(DOCS)}, None)
+    assert shown == (REPO / "CHANGELOG.md").read_text()
+
+
+# -- the results pages and their index -------------------------------------------------------------------------------
 RESULT_PAGES = sorted(p.name for p in (DOCS / "results").glob("*.md") if p.name != "index.md")
-INDEX_ROWS = {row[1].split("](")[1].rstrip(")"): row for row in _table_rows(RESULTS_INDEX)}
+INDEX_ROWS = {row[1].split("](")[-1].rstrip(")"): row for row in _table_rows(RESULTS_INDEX) if re.match(r"\d{4}-", row[0])}
+INDEX_TOPICS = {
+    topic: [row.split("](")[1].split(")")[0] for row in re.findall(r"^\| \d{4}-\d\d-\d\d \| (\[.*?\]\([\w-]+\.md\))", body, flags=re.M)]
+    for topic, body in re.findall(r"^## (.+)\n((?:\n|\|.*\n)*)", RESULTS_INDEX, flags=re.M)
+}
 
 
-def test_the_results_index_lists_every_dated_page_newest_first_as_the_nav_does():
-    listed = list(INDEX_ROWS)
+def _page(name: str):
+    return HOOKS.read_results_page(DOCS / "results" / name)
+
+
+@pytest.mark.parametrize("page", RESULT_PAGES)
+def test_every_results_page_opens_with_its_topic_and_status(page):
+    header = (DOCS / "results" / page).read_text().splitlines()[:4]
+    assert header[2].startswith("- **Topic:** ") and header[3].startswith("- **Status:** "), header
+    result = _page(page)
+    assert result.topic and (result.successors or HOOKS._field((DOCS / "results" / page).read_text(), "Status") == "current")
+
+
+def test_a_page_without_its_opening_lines_is_refused(tmp_path):
+    page = tmp_path / "2026-01-01-example.md"
+    page.write_text("# Example\n\n- **Date:** 2026-01-01\n- **Machine:** 2-core CPU\n- **Files behind it:** none kept\n")
+    with pytest.raises(ValueError, match="Topic"):
+        HOOKS.read_results_page(page)
+    page.write_text("# Example\n\n- **Topic:** x\n- **Status:** old\n- **Machine:** 2-core CPU\n- **Files behind it:** none kept\n")
+    with pytest.raises(ValueError, match="Status must be"):
+        HOOKS.read_results_page(page)
+
+
+@pytest.mark.parametrize("page", [name for name in RESULT_PAGES if _page(name).successors])
+def test_a_superseded_page_links_at_its_top_later_pages_that_lead_to_a_current_one(page):
+    seen, frontier = set(), {page}
+    while frontier:
+        name = frontier.pop()
+        seen.add(name)
+        for successor in _page(name).successors:
+            assert successor in RESULT_PAGES and successor != name, (name, successor)
+            assert successor[:10] >= name[:10], f"{name} is superseded by the older {successor}"
+            frontier |= {successor} - seen
+    assert any(not _page(name).successors for name in seen), f"{page}: no current page at the end of its successors"
+
+
+def test_the_results_index_lists_every_page_once_under_its_topic_newest_first():
+    listed = [name for names in INDEX_TOPICS.values() for name in names]
     assert sorted(listed) == RESULT_PAGES
-    assert [row[0] for row in INDEX_ROWS.values()] == sorted((row[0] for row in INDEX_ROWS.values()), reverse=True)
-    assert [page for page in NAV if page.startswith("results/2")] == [f"results/{page}" for page in listed]
     for page, row in INDEX_ROWS.items():
         assert page.startswith(row[0]), page
+    for topic, names in INDEX_TOPICS.items():
+        assert {_page(name).topic for name in names} == {topic}
+        assert [name[:10] for name in names] == sorted((name[:10] for name in names), reverse=True), topic
+
+
+def test_the_results_index_marks_each_topics_current_pages_and_links_the_successors_of_the_others():
+    for topic, names in INDEX_TOPICS.items():
+        assert any(INDEX_ROWS[name][2] == "**current**" for name in names), f"{topic}: no current page"
+    for page, row in INDEX_ROWS.items():
+        successors = _page(page).successors
+        assert (row[2] == "**current**") == (not successors), page
+        assert re.findall(r"\]\(([\w-]+\.md)\)", row[2]) == list(successors), page
+
+
+def test_the_nav_takes_the_results_pages_through_their_index_alone():
+    assert [page for page in NAV if page.startswith("results/")] == ["results/index.md"]
 
 
 @pytest.mark.parametrize("page", RESULT_PAGES)
@@ -125,5 +239,5 @@ def test_the_results_index_says_which_pages_kept_their_files(page):
     text = (DOCS / "results" / page).read_text()
     (files_line,) = re.findall(r"^- \*\*Files behind it:\*\* (.*)$", text, flags=re.M)
     kept = not files_line.startswith("none kept")
-    assert INDEX_ROWS[page][3].startswith("none kept") != kept, page
+    assert INDEX_ROWS[page][4].startswith("none kept") != kept, page
     assert "no file behind" not in text  # a figure without its files is not published, not flagged
