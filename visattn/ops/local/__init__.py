@@ -5,6 +5,8 @@
     engine.py   :func:`tiled_local_attn`: the path choice, the gathered and the dense paths
     chunked.py  the CPU inference path, tiles a chunk at a time
     flex.py     the CUDA path: FlexAttention over the tokens in tile order, block masks cached
+    triton.py   fused Triton kernels on 2D query tiles, windows computed from positions
+                (kernels in triton_kernels.py)
     naive.py    explicit N x N scores with a mask, the naive twin every op is compared with
 """
 from visattn.ops.local.engine import LOCAL_PATHS, tiled_local_attn
@@ -12,6 +14,7 @@ from visattn.ops.local.naive import naive_masked_attn, separable_grid_mask, with
 from visattn.ops.local.plans import (
     AxisPlan,
     AxisTiling,
+    WindowRule,
     blocked_axis,
     blocked_tiling,
     neighborhood_axis,
@@ -22,6 +25,7 @@ __all__ = [
     "LOCAL_PATHS",
     "AxisPlan",
     "AxisTiling",
+    "WindowRule",
     "blocked_axis",
     "blocked_tiling",
     "naive_masked_attn",

@@ -12,6 +12,17 @@ import torch
 from visattn.ops.cache import cache_per_inference_mode
 
 
+class WindowRule(NamedTuple):
+    """The windows of one axis as a formula, for kernels that compute them from the query's position
+    instead of reading ``window_lo`` and ``window_hi``: ``"neighborhood"``: query i sees ``[s, s + size)``
+    with ``s = clamp(i - size // 2, 0, length - size)`` (``size`` clamped to the axis); ``"blocked"``: the
+    block ``[i // size * size, +size)`` grown by ``halo`` on each side, cut at the axis ends."""
+
+    kind: str
+    size: int
+    halo: int = 0
+
+
 @dataclass(frozen=True, eq=False)
 class AxisPlan:
     """How one grid axis of ``length`` cells is tiled.
@@ -29,6 +40,7 @@ class AxisPlan:
     window_lo: torch.Tensor  # (num_tiles * tile,) long
     window_hi: torch.Tensor  # (num_tiles * tile,) long
     self_only: bool  # every query's window is the query itself
+    rule: WindowRule  # the same windows as a formula
 
     @property
     def num_tiles(self) -> int:
@@ -95,7 +107,7 @@ def neighborhood_axis(length: int, kernel_size: int, tile: int, device: torch.de
     lo = (queries - k // 2).clamp(0, length - k)
     # The first query's window starts the region; the last one's ends at most tile - 1 + k cells later.
     start = (torch.arange(num_tiles, device=device) * tile - k // 2).clamp(0, length - region)
-    return AxisPlan(length, tile, region, start, lo, lo + k, self_only=k == 1)
+    return AxisPlan(length, tile, region, start, lo, lo + k, self_only=k == 1, rule=WindowRule("neighborhood", k))
 
 
 @cache_per_inference_mode(maxsize=64)
@@ -107,4 +119,5 @@ def blocked_axis(length: int, block_size: int, halo: int, device: torch.device) 
     lo = (block_start - halo).clamp_min(0)
     hi = (block_start + block + halo).clamp_max(length)
     start = (torch.arange(num_tiles, device=device) * block - halo).clamp(0, length - region)
-    return AxisPlan(length, block, region, start, lo, hi, self_only=block == 1 and (halo == 0 or length == 1))
+    self_only = block == 1 and (halo == 0 or length == 1)
+    return AxisPlan(length, block, region, start, lo, hi, self_only, rule=WindowRule("blocked", block, halo))
