@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from visattn.bench import cli as bench_cli
+from visattn.bench import max_tokens_cli, sweep_cli
+from visattn.bench.arguments import MAX_TOKENS
 from visattn.experiments import accuracy, resolution, transfer
 from visattn.predict import cli as predict_cli
 from visattn.train.cli import resolve_config
@@ -48,10 +49,10 @@ def _parse(words: list[str]) -> None:
     elif "train.py" in words:
         resolve_config(_train_args(words))
     elif words[0] == "visattn-bench":
-        if words[1:2] == [bench_cli.MAX_TOKENS]:
-            bench_cli.parse_max_tokens_args(words[2:])
+        if words[1:2] == [MAX_TOKENS]:
+            max_tokens_cli.parse_args(words[2:])
         else:
-            bench_cli._parse(words[1:])
+            sweep_cli.parse_args(words[1:])
     elif words[0] == "visattn-predict":
         predict_cli.build_parser().parse_args(words[1:])
     elif words[:3] == ["python", "-m", "visattn.experiments.accuracy"]:

@@ -10,7 +10,7 @@ import math
 import pytest
 import timm
 
-from visattn.bench import cli, memory, targets
+from visattn.bench import cli, memory, sweep_cli, targets
 from visattn.bench import calibrate as calibrate_module
 from visattn.bench import timing as timing_module
 from visattn.bench.ratios import Spread, per_round_ratios, rate_ratio, spread
@@ -39,8 +39,8 @@ def batched(tmp_path_factory):
         mp.setenv("XDG_CACHE_HOME", str(cache))
         mp.setattr(targets, "TARGETS", tiny_targets)
         mp.setattr(targets, "TARGET_SETTING", TINY_SETTING)
-        args = cli._parse(argv + ["--min-iters", "5", "--device", "cpu", "--calibrate", "--out", str(out)])
-        results, summary = cli.run(args)
+        args = sweep_cli.parse_args(argv + ["--min-iters", "5", "--device", "cpu", "--calibrate", "--out", str(out)])
+        results, summary = sweep_cli.run(args)
     return out, cache, results, summary
 
 
@@ -333,7 +333,7 @@ def test_the_built_in_defaults_say_when_they_extrapolate(tmp_path, monkeypatch, 
         "--sizes 32x48 --model-kwargs patch_size=4"
     )
     command = caplog.text.rstrip().split("on this machine: ")[1].split()
-    args = cli._parse(command[1:])  # the command it gives runs as written
+    args = sweep_cli.parse_args(command[1:])  # the command it gives runs as written
     assert (args.calibrate, args.batch_sizes, args.sizes, args.model_kwargs) == (True, [16], [(32, 48)], {"patch_size": 4})
 
 

@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import visattn
-from visattn.bench import cli, report, runners, timing
+from visattn.bench import cli, runners, sweep_cli, sweep_report, sweep_summary, timing
 from visattn.bench.flops import ViTShape, estimate_memory, mixing_flops, train_flops, vit_flops
 from visattn.bench.sweep import Case, Result, plan_model_sweep, plan_ops_sweep
 from visattn.layers import ATTENTION_LAYERS, GridAttention, attention_options
@@ -176,7 +176,7 @@ def test_worker_failures_are_reported_in_their_rows():
 def test_a_terminated_sweep_writes_what_it_measured(tmp_path, monkeypatch):
     """SIGTERM (what ``timeout`` sends) during the second size: the first size's rows keep their
     measurements, the rest read "stopped", the reports are written and the exit status is 128 + 15."""
-    measure = cli.measure
+    measure = sweep_cli.measure
     calls = []
 
     def measure_then_terminate(group, *args):
@@ -188,7 +188,7 @@ def test_a_terminated_sweep_writes_what_it_measured(tmp_path, monkeypatch):
     def not_unwound(signum, frame):  # stands in for the default action, which would end pytest itself
         raise AssertionError("SIGTERM reached the handler the sweep found: it installed none of its own")
 
-    monkeypatch.setattr(cli, "measure", measure_then_terminate)
+    monkeypatch.setattr(sweep_cli, "measure", measure_then_terminate)
     before = signal.signal(signal.SIGTERM, not_unwound)
     try:
         with pytest.raises(SystemExit) as stopped, contextlib.redirect_stdout(io.StringIO()):
@@ -218,7 +218,7 @@ def test_an_interrupted_group_kills_its_workers_mid_step(monkeypatch):
         return ask(self, request)
 
     monkeypatch.setattr(timing._Worker, "ask", ask_then_interrupt)
-    results = plan_model_sweep(cli._parse(TINY_MODEL + FAST + ["--attn", "linear", "--sizes", "32", "--modes", "infer"]))[0]
+    results = plan_model_sweep(sweep_cli.parse_args(TINY_MODEL + FAST + ["--attn", "linear", "--sizes", "32", "--modes", "infer"]))[0]
     with pytest.raises(KeyboardInterrupt):
         timing.measure(results, timing.Timing(0, 1, 0.0, 1.0, 0.0), 10**12, 10**12, mock.MagicMock())
     assert workers and all(w.process.exitcode == -signal.SIGKILL for w in workers)
@@ -485,7 +485,7 @@ def test_a_new_type_needs_only_its_layer_and_a_registry_line(monkeypatch, tmp_pa
     options = attention_options(name, {}, shape.grid(img))
     assert vit_flops(shape, img, name, options) == _counted_flops(model, img, backward=False)
 
-    args = cli._parse(["--attn", name, "--sizes", "32x48", "--device", "cpu", "--out", str(tmp_path)] + TINY_MODEL)
+    args = sweep_cli.parse_args(["--attn", name, "--sizes", "32x48", "--device", "cpu", "--out", str(tmp_path)] + TINY_MODEL)
     (group,) = plan_model_sweep(args)
     rows = {(r.case.attn, r.case.mode): r for r in group}
     n, c, d = 1 + 2 * 3, 32, 16  # class token + 2 x 3 patches; embed_dim 32, 2 heads of 16
@@ -493,7 +493,7 @@ def test_a_new_type_needs_only_its_layer_and_a_registry_line(monkeypatch, tmp_pa
         assert rows[name, mode].flops - rows["floor", mode].flops == backward * 4 * n * c * d
     assert rows[name, "train"].estimate_bytes > rows["floor", "train"].estimate_bytes
 
-    args = cli._parse(["--ops", "--attn", name, "--grids", "4x6", "--heads", "2", "--head-dim", "8", "--device", "cpu"])
+    args = sweep_cli.parse_args(["--ops", "--attn", name, "--grids", "4x6", "--heads", "2", "--head-dim", "8", "--device", "cpu"])
     (group,) = plan_ops_sweep(args)
     probe = [r for r in group if r.case.attn == name]
     assert [(r.case.mode, r.flops) for r in probe] == [("infer", 4 * 24 * 16 * 8), ("train", 3 * 4 * 24 * 16 * 8)]
@@ -557,10 +557,10 @@ def test_a_conv_stem_counts_in_inference_where_its_live_set_is_the_largest():
 def test_fit_exponent_recovers_the_slope_of_the_largest_sizes():
     tokens = [196, 1024, 4096, 16384, 65536]
     times = [5.0, 7.0] + [3e-6 * t**1.7 for t in tokens[2:]]  # the small sizes are off the power law
-    assert report.fit_exponent(tokens, times, points=3) == pytest.approx(1.7, abs=1e-12)
-    assert report.fit_exponent(tokens, times, points=5) < 1.6
-    assert report.fit_exponent(tokens, [None, None, 2.0, None, 0.0]) is None
-    assert report.fit_exponent([10, 20], [1.0, 4.0], points=3) == pytest.approx(2.0)
+    assert sweep_summary.fit_exponent(tokens, times, points=3) == pytest.approx(1.7, abs=1e-12)
+    assert sweep_summary.fit_exponent(tokens, times, points=5) < 1.6
+    assert sweep_summary.fit_exponent(tokens, [None, None, 2.0, None, 0.0]) is None
+    assert sweep_summary.fit_exponent([10, 20], [1.0, 4.0], points=3) == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize(
@@ -577,8 +577,8 @@ def test_fit_exponent_recovers_the_slope_of_the_largest_sizes():
     ],
 )
 def test_crossover_tokens(points, expected):
-    assert report.crossover_tokens(points) == expected
-    assert report.crossover_tokens(list(reversed(points))) == expected
+    assert sweep_summary.crossover_tokens(points) == expected
+    assert sweep_summary.crossover_tokens(list(reversed(points))) == expected
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -685,5 +685,5 @@ def test_crossover_not_reached_names_the_largest_size_of_its_mode():
 
     results = [result(attn, "infer", n, t) for n in (100, 400) for attn, t in (("timm", 1.0), ("slow", 2.0))]
     results += [result(attn, "train", 100, t) for attn, t in (("timm", 1.0), ("slow", 2.0))]
-    text = report.markdown_report(results, report.summarize(results, 3), 3)
+    text = sweep_report.markdown_report(results, sweep_summary.summarize(results, 3), 3)
     assert "| slow | not up to 400 | not up to 100 |" in text

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from visattn.bench import cli, timing
+from visattn.bench import arguments, cli, sweep_cli, timing
 from tests.bench.test_bench import _read_csv, _run
 from visattn.bench.memory import start_on_device
 from visattn.bench.ratios import rate_ratio
@@ -50,7 +50,7 @@ def _errors(capsys, argv: list[str]) -> str:
 
 def test_dtypes_map_to_torch_dtypes():
     assert DTYPES == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    args = cli._parse(["--ops", "--dtype", "fp16", "--device", "cpu"])
+    args = sweep_cli.parse_args(["--ops", "--dtype", "fp16", "--device", "cpu"])
     assert args.dtype == "fp16"
 
 
@@ -65,15 +65,15 @@ def test_op_inputs_are_created_in_the_dtype_asked(dtype):
 def test_compile_needs_a_warmup_round(capsys):
     err = _errors(capsys, ["--compile", "--warmup", "0", "--device", "cpu"])
     assert "--compile needs --warmup >= 1" in err
-    assert cli._parse(["--compile", "--device", "cpu"]).compile
+    assert sweep_cli.parse_args(["--compile", "--device", "cpu"]).compile
 
 
 def test_the_gpu_table_commands_parse():
-    commands = [line.strip().split()[1:] for line in cli.__doc__.splitlines() if line.strip().startswith("visattn-bench --device cuda")]
+    commands = [line.strip().split()[1:] for line in sweep_cli.__doc__.splitlines() if line.strip().startswith("visattn-bench --device cuda")]
     assert len(commands) == 5
     settings = []
     for argv in commands:
-        args = cli.build_parser().parse_args(argv)  # the device check needs a GPU; the flags do not
+        args = sweep_cli.build_parser().parse_args(argv)  # the device check needs a GPU; the flags do not
         settings.append((args.modes, args.sizes, args.batch_sizes, args.dtype, args.model))
     assert settings == [
         (["infer"], [(224, 224)], [128], "bf16", "visattn_vit_small_patch16"),
@@ -86,11 +86,11 @@ def test_the_gpu_table_commands_parse():
 
 @pytest.mark.parametrize("text, expected", [("8GiB", 8 * GiB), ("512MiB", 512 * 2**20), ("4GB", 4 * 10**9), ("2", 2 * GiB)])
 def test_the_sweep_reads_max_memory_like_max_tokens(text, expected):
-    assert cli._parse(["--max-memory", text, "--device", "cpu"]).max_memory_bytes == expected
-    assert cli.parse_memory(text) == expected
+    assert sweep_cli.parse_args(["--max-memory", text, "--device", "cpu"]).max_memory_bytes == expected
+    assert arguments.parse_memory(text) == expected
 
 
-@pytest.mark.parametrize("command", [[], [cli.MAX_TOKENS]])
+@pytest.mark.parametrize("command", [[], [arguments.MAX_TOKENS]])
 def test_both_commands_reject_a_bad_memory_size_alike(capsys, command):
     err = _errors(capsys, [*command, "--max-memory", "lots", "--device", "cpu"])
     assert "--max-memory: expected a positive size such as 16GiB, 512MiB or 4GB (a bare number is GiB), got 'lots'" in err

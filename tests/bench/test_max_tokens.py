@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from visattn.bench import cli
-from visattn.bench.cli import MAX_TOKENS, parse_memory
-from visattn.bench.report import max_tokens_csv_rows, max_tokens_report
-from visattn.bench.search import Row, Search, search_largest, square_grid
+from visattn.bench import cli, max_tokens_cli
+from visattn.bench.arguments import MAX_TOKENS, parse_memory
+from visattn.bench.max_tokens import Row, Search, search_largest, square_grid
+from visattn.bench.max_tokens_report import max_tokens_csv_rows, max_tokens_report
 from visattn.bench.sweep import Case
 from visattn.bench.trial import Trial, run_trial
 
@@ -234,9 +234,9 @@ ARGS = ["--num-classes", "10", "--modes", "train", "--model-kwargs", "embed_dim=
 def test_a_stopped_search_keeps_what_it_measured_and_says_where_it_stopped(tmp_path, monkeypatch):
     # A time limit ends the command during linear's second trial (SIGTERM unwinds as SystemExit): the files
     # hold timm's and floor's rows, linear's first trial and a row marked stopped, and axial as not searched.
-    from visattn.bench import search as search_module
+    from visattn.bench import max_tokens as max_tokens_module
 
-    real_trial, linear_trials = search_module.run_trial, []
+    real_trial, linear_trials = max_tokens_module.run_trial, []
 
     def stop_in_linear(case, *rest):
         if case.attn == "linear":
@@ -245,7 +245,7 @@ def test_a_stopped_search_keeps_what_it_measured_and_says_where_it_stopped(tmp_p
                 raise SystemExit(143)
         return real_trial(case, *rest)
 
-    monkeypatch.setattr(search_module, "run_trial", stop_in_linear)
+    monkeypatch.setattr(max_tokens_module, "run_trial", stop_in_linear)
     with pytest.raises(SystemExit):
         cli.main([MAX_TOKENS, "--attn", "linear", "axial", "--references", "timm", "floor", *ARGS,
                   "--min-tokens", "64", "--max-tokens", "100", "--out", str(tmp_path)])
@@ -263,17 +263,17 @@ def test_a_stopped_search_keeps_what_it_measured_and_says_where_it_stopped(tmp_p
 def test_a_row_whose_bisection_hit_the_time_limit_reports_both_bounds():
     # timm on an H200: 262,144 tokens fitted, 524,176 ran out of memory, then 393,129 ran past the time limit:
     # the memory limit lies between 262,144 and 524,176, and the row says both.
-    args = cli.parse_max_tokens_args(["--attn", "linear", "--references", "timm", *ARGS])
+    args = max_tokens_cli.parse_args(["--attn", "linear", "--references", "timm", *ARGS])
     status = {262_144: "ok", 524_176: "oom", 393_129: "time"}
     row = Row("timm", "train")
     for tokens, verdict in status.items():
         grid = square_grid(tokens)
-        row.trials[grid] = Trial(args.sweep.case("timm", "train", grid), grid, status=verdict, message=verdict)
+        row.trials[grid] = Trial(args.plan.case("timm", "train", grid), grid, status=verdict, message=verdict)
     row.search = Search(262_144, 524_176, ((262_144, True), (524_176, False), (393_129, None)))
-    record = max_tokens_csv_rows([row], args.sweep)[0]
+    record = max_tokens_csv_rows([row], args.plan)[0]
     assert (record["max_tokens"], record["failed_tokens"], record["timed_out_tokens"]) == (262_144, 524_176, 393_129)
     assert record["stopped_by"] == "time" and record["message"] == "time; oom"
-    table = max_tokens_report([row], args.sweep)
+    table = max_tokens_report([row], args.plan)
     assert ("| `timm` | ≥ 262,144 | 512×512 (2048×2048 px) |  | time limit at 393,129 tokens, 627×627 (2508×2508 px); "
             "out of memory at 524,176 tokens, 724×724 (2896×2896 px) |") in table
     assert "| `linear` | not searched |" in table

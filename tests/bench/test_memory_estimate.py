@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from visattn.bench import cli
+from visattn.bench import sweep_cli
 from visattn.bench.sweep import plan_model_sweep
 
 MIB = 2**20
@@ -59,7 +59,7 @@ def _plan_the_h200_command(device: str) -> dict[str, float]:
     --attn linear axial neighborhood`` (timm and floor come with every sweep), for ``device``: parsed for
     the CPU (the parser refuses cuda without a GPU), planned for ``device``, which planning reads from
     ``args.device`` alone."""
-    args = cli._parse(
+    args = sweep_cli.parse_args(
         ["--device", "cpu", "--dtype", "bf16", "--modes", "train", "--sizes", "1024", "--batch-size", "8",
          "--attn", "linear", "axial", "neighborhood"]
     )

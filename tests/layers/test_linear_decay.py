@@ -11,8 +11,8 @@ import visattn
 from tests.helpers import assert_rms_close
 from tests.bench.test_bench import _counted_flops, _tiny_model
 from visattn import ops
-from visattn.bench.cli import _parse as parse_bench_args
 from visattn.bench.flops import ViTShape, estimate_memory, vit_flops
+from visattn.bench.sweep_cli import parse_args as parse_bench_args
 from visattn.layers import attention_options, get_attention
 from visattn.layers.cost import TokenLayout
 from visattn.layers.decay import initial_decay_rates

@@ -10,8 +10,8 @@ import torch
 import visattn
 from tests.helpers import assert_rms_close
 from visattn import ops
-from visattn.bench.cli import _parse
 from visattn.bench.sweep import plan_model_sweep
+from visattn.bench.sweep_cli import parse_args as _parse
 from visattn.layers import GridAttention, get_attention
 from visattn.layers.options import options_per_type, parse_key_values
 from visattn.ops.backends import force_backend

@@ -7,7 +7,7 @@ import torch
 import timm
 
 import visattn
-from visattn.bench.cli import _parse as parse_bench_args
+from visattn.bench.sweep_cli import parse_args as parse_bench_args
 from visattn.layers.options import options_per_type
 from visattn.train import attention
 from visattn.train.attention import resolve_attention

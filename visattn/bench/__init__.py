@@ -34,12 +34,13 @@ trains (batch 1) within ``--max-memory``, by doubling and bisecting, one capped 
 
 On CUDA (``--device cuda``, ``--dtype bf16``/``fp16``, ``--compile``): steps timed with CUDA events, one
 worker on the GPU at a time, peak memory from ``torch.cuda.max_memory_allocated``; see
-:mod:`~visattn.bench.timing`, and :mod:`~visattn.bench.cli` for the commands of the GPU table.
+:mod:`~visattn.bench.timing`, and :mod:`~visattn.bench.sweep_cli` for the commands of the GPU table.
 
 The modules, in the order a run uses them:
 
-* :mod:`~visattn.bench.cli`: the command lines (the sweep and ``max-tokens``), and the runs from arguments
-  to written reports;
+* :mod:`~visattn.bench.cli`: ``visattn-bench``, which runs one of the two commands;
+* :mod:`~visattn.bench.arguments`: what both command lines read alike (shared arguments, memory sizes);
+* :mod:`~visattn.bench.sweep_cli`: the sweep's command line, and its run from arguments to written reports;
 * :mod:`~visattn.bench.sweep`: the points of a sweep (:class:`~visattn.bench.sweep.Point`), the cases of
   a point (:class:`~visattn.bench.sweep.Case`) and their results to fill
   (:class:`~visattn.bench.sweep.Result`), planned with FLOPs and memory estimates;
@@ -49,11 +50,14 @@ The modules, in the order a run uses them:
 * :mod:`~visattn.bench.timing`: the worker processes and the interleaved timing rounds;
 * :mod:`~visattn.bench.memory`: peak memory of a worker, and which workers fit the machine at once;
 * :mod:`~visattn.bench.ratios`: the ratios between rows, round by round, with their spread;
-* :mod:`~visattn.bench.report`: tables, CSV, plot, scaling exponents and crossovers; the max-tokens tables;
+* :mod:`~visattn.bench.sweep_summary`: scaling exponents and crossovers;
+* :mod:`~visattn.bench.sweep_report`: the sweep's tables, CSV and plot;
 * :mod:`~visattn.bench.targets`: the speed and memory targets and their check; the seed's claims;
 * :mod:`~visattn.bench.calibrate`: the calibration of ``attn="auto"``;
-* :mod:`~visattn.bench.search`: the max-tokens search (doubling, then bisecting) and its rows;
-* :mod:`~visattn.bench.trial`: one max-tokens trial, a runner stepped in its own capped process.
+* :mod:`~visattn.bench.max_tokens_cli`: the max-tokens command line, and its run from arguments to written reports;
+* :mod:`~visattn.bench.max_tokens`: the max-tokens search (doubling, then bisecting) and its rows;
+* :mod:`~visattn.bench.trial`: one max-tokens trial, a runner stepped in its own capped process;
+* :mod:`~visattn.bench.max_tokens_report`: the max-tokens table and CSV files.
 """
 from visattn.bench.cli import main
 

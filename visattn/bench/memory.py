@@ -18,6 +18,7 @@ import torch
 
 from visattn.bench.sweep import Result
 
+MB = 2**20  # the reports' unit
 # Memory a worker process needs besides its configuration (interpreter, libraries, CUDA context).
 RUNTIME_BYTES = 512 * 2**20
 

@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from visattn.bench.sweep import Result
+from visattn.bench.sweep import FLOOR, TIMM, Result
 
 
 @dataclass(frozen=True)
@@ -83,3 +83,25 @@ def rate_ratio(own: Result, reference: Result, link: Result | None = None) -> Sp
     if not (mine and theirs):
         return None
     return spread([a / b for a in mine for b in theirs], rounds=min(len(mine), len(theirs)))
+
+
+def row_at_point(results: list[Result], attn: str, r: Result) -> Result | None:
+    """Row ``attn`` of ``r``'s point: same kind, size, batch size and mode."""
+    for other in results:
+        c, o = r.case, other.case
+        if o.attn == attn and (o.kind, o.size, o.batch_size, o.mode) == (c.kind, c.size, c.batch_size, c.mode):
+            return other
+    return None
+
+
+def pct_of_floor(results: list[Result], r: Result) -> Spread | None:
+    """``r``'s images/s in percent of floor's at its point, per round."""
+    floor = row_at_point(results, FLOOR, r)
+    ratio = None if floor is None else rate_ratio(r, floor)
+    return None if ratio is None else ratio.scaled(100)
+
+
+def speedup_vs_timm(results: list[Result], r: Result) -> Spread | None:
+    """``r``'s images/s over timm's at its point, per round (linked through floor across memory groups)."""
+    timm = row_at_point(results, TIMM, r)
+    return None if timm is None else rate_ratio(r, timm, link=row_at_point(results, FLOOR, r))

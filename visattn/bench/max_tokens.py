@@ -157,7 +157,7 @@ class Row:
         return "ceiling" if self.failing is None else self.failing.status
 
 
-class MaxTokensSweep:
+class MaxTokensPlan:
     """The rows of a ``max-tokens`` run and their cases, from its parsed arguments."""
 
     def __init__(self, args: argparse.Namespace) -> None:
