@@ -1,13 +1,17 @@
-"""Time the drawing of a generated dataset's split, and measure how far pathfinder's paths reach in patches.
+"""Time drawing a generated dataset's samples and its training loader, and measure how far pathfinder's paths reach
+in patches.
 
-    python scripts/generated_tasks.py time --dataset pathfinder                    # the recipe's train split
-    python scripts/generated_tasks.py time --dataset cluttered-digits --workers 2 --cache /tmp/generated
+    python scripts/generated_tasks.py time --dataset pathfinder --img-size 1024 --samples 20
+    python scripts/generated_tasks.py loader --workers 2 --batches 8 -- --dataset cluttered-digits --img-size 1024 --batch-size 32
     python scripts/generated_tasks.py reach --patch-size 4 --depth 4 --kernel-size 7
     python scripts/generated_tasks.py shortcut --img-size 64
 
-``time`` draws the split from scratch (the cache is neither read nor written) in ``--workers``
-processes and prints the wall-clock time and the CPU time of all processes together; with ``--cache
-DIR`` it then writes the split's cache file under DIR and times reading it back. ``reach``
+``time`` draws ``--samples`` samples of a split one at a time in this process, as a loader's worker draws them, and
+prints the images per second and the CPU time per image (what a core that nothing else uses would take). ``loader`` builds the training loader of a
+``train.py`` command (every flag after ``--``), with ``--workers`` worker processes, and times ``--batches`` batches
+after the first with no model, as ``train.py --measure-loader`` does: the images per second the input pipeline
+alone delivers (drawing, the training transform, collation, the copy out of the workers); with ``--workers 0`` it
+runs in this process and also prints the CPU time per image, what one core needs whatever else runs beside it. ``reach``
 draws ``--samples`` scenes per pathfinder level and compares the target paths with the receptive
 field of a stack of ``--depth`` neighbourhood-attention blocks of window ``--kernel-size``: a token
 sees ``depth * (kernel_size // 2)`` patches along each axis. ``shortcut`` measures how much of each
@@ -18,38 +22,51 @@ chosen on the first ``--samples`` training scenes and measured on as many test s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import resource
 import time
 
 import numpy as np
+import torch
 
-from visattn.train.generated_tasks import TASKS, drawn_as, pathfinder, store, task_options
+from visattn.train.build import build_loaders, measure_loader
+from visattn.train.cli import resolve_config
+from visattn.train.data import load_splits
+from visattn.train.generated_tasks import TASKS, GeneratedDataset, drawn_as, pathfinder, task_options
 
 
-def cpu_seconds() -> float:
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def time_split(args: argparse.Namespace) -> None:
+def time_samples(args: argparse.Namespace) -> None:
     config_hw = (args.img_size, args.img_size)
     options, image_hw = drawn_as(task_options(args.dataset, dict(args.option), config_hw), config_hw)
-    workers = args.workers or store.available_cpus()
-    wall, cpu = time.perf_counter(), cpu_seconds()
-    arrays = store.draw_split(TASKS[args.dataset], options, image_hw, args.split, workers=workers)
-    wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
-    count = len(arrays["labels"])
+    dataset = GeneratedDataset(TASKS[args.dataset], options, image_hw, args.split)
+    dataset.sample(0)  # the source digits and the first allocations, made once per process
+    started, cpu = time.perf_counter(), time.process_time()
+    for index in range(1, args.samples + 1):
+        dataset.sample(index % len(dataset))
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     print(
-        f"{args.dataset} {args.split}: {count} images of {image_hw[0]}x{image_hw[1]} in {wall:.1f} s with {workers} "
-        f"processes ({count / wall:.0f} images/s; {cpu:.1f} CPU-s in all, {1000 * cpu / count:.2f} CPU-ms per image)"
+        f"{args.dataset} {args.split}: {args.samples} images of {image_hw[0]}x{image_hw[1]} drawn one at a time in one "
+        f"process in {seconds:.2f} s, {args.samples / seconds:.1f} images/s; {1000 * cpu / args.samples:.1f} CPU-ms per "
+        f"image ({args.samples / cpu:.1f} images/s per busy core)"
     )
-    if args.cache:
-        path = store.cache_path(args.cache, TASKS[args.dataset], options, image_hw, args.split)
-        store.write_split(path, arrays)
-        wall = time.perf_counter()
-        store.load_split(TASKS[args.dataset], options, image_hw, args.split, args.cache)
-        print(f"read back from {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - wall:.1f} s")
+
+
+def time_loader(args: argparse.Namespace) -> None:
+    config, _, _ = resolve_config(args.train_args)
+    config = dataclasses.replace(config, num_workers=args.workers)
+    splits = load_splits(config, progress=True)
+    train_loader, _, _ = build_loaders(config, splits, num_processes=1)
+    cpu = time.process_time()
+    speed = measure_loader(train_loader, args.batches, torch.device("cpu"))
+    cpu = time.process_time() - cpu
+    # with no worker the whole pipeline runs here: its CPU time per image is what one core needs per image
+    in_process = f"; {1000 * cpu / (speed.images + config.batch_size):.1f} CPU-ms per image" if not train_loader.num_workers else ""
+    print(
+        f"{config.dataset} at {config.image_hw[0]}x{config.image_hw[1]}, batch {config.batch_size}, "
+        f"{train_loader.num_workers} worker(s) (asked {args.workers}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}): {speed.images} images in {speed.batches} batches in {speed.seconds:.2f} s, "
+        f"{speed.images_per_s:.1f} images/s{in_process}"
+    )
 
 
 def reach(args: argparse.Namespace) -> None:
@@ -127,14 +144,17 @@ def shortcut(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    timing = commands.add_parser("time", help="draw one split and report the time it took")
+    timing = commands.add_parser("time", help="draw samples one at a time in one process and report the rate")
     timing.add_argument("--dataset", choices=sorted(TASKS), default="pathfinder")
     timing.add_argument("--split", choices=("train", "val", "test"), default="train")
     timing.add_argument("--img-size", type=int, default=128)
-    timing.add_argument("--workers", type=int, help="processes (default: one per CPU this process may use)")
-    timing.add_argument("--cache", help="also time reading the split back from a cache under this folder")
+    timing.add_argument("--samples", type=int, default=50, help="samples timed, after a first one that is not")
     timing.add_argument("--option", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                         help="a dataset option, e.g. --option level easy (numbers as integers)")
+    loading = commands.add_parser("loader", help="time a train.py command's training loader alone, with no model")
+    loading.add_argument("--workers", type=int, default=2, help="loader worker processes (at most the CPUs this process may use)")
+    loading.add_argument("--batches", type=int, default=8, help="batches timed, after a first one that is not")
+    loading.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py's flags")
     extent = commands.add_parser("reach", help="pathfinder paths against a neighbourhood stack's receptive field")
     extent.add_argument("--img-size", type=int, default=128)
     extent.add_argument("--patch-size", type=int, default=4)
@@ -149,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.option = [(key, int(value) if value.lstrip("-").isdigit() else value) for key, value in getattr(args, "option", [])]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    {"time": time_split, "reach": reach, "shortcut": shortcut}[args.command](args)
+    if args.command == "loader":
+        args.train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    {"time": time_samples, "loader": time_loader, "reach": reach, "shortcut": shortcut}[args.command](args)
 
 
 if __name__ == "__main__":

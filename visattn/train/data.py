@@ -38,15 +38,16 @@ __all__ = [
 ]
 
 
-def load_splits(config: TrainConfig, download: bool = False) -> DataSplits:
+def load_splits(config: TrainConfig, download: bool = False, progress: bool = False) -> DataSplits:
     """The dataset of ``config``, limited to ``max_*_samples``; DataError if it is not available.
 
-    Only ``download`` fetches a missing dataset.
+    Only ``download`` fetches a missing dataset; ``progress`` shows a progress bar while a preparation (a generated
+    dataset's statistics) runs.
     """
     spec = DATASET_SPECS[config.dataset]
     source = DataSource(
         data_dir=config.data_dir, download=download, eval_fraction=config.eval_fraction,
-        options=config.dataset_kwargs, image_hw=config.image_hw,
+        options=config.dataset_kwargs, image_hw=config.image_hw, progress=progress,
     )
     splits = spec.load(source)
     return DataSplits(
@@ -57,16 +58,17 @@ def load_splits(config: TrainConfig, download: bool = False) -> DataSplits:
     )
 
 
-def check_images(config: TrainConfig, splits: DataSplits) -> ImageCheck:
+def check_images(config: TrainConfig, splits: DataSplits, progress: bool = False) -> ImageCheck:
     """Reads every image file ``splits`` will read once (files remembered from an earlier check as read well
-    and unchanged are skipped), in ``max(1, num_workers)`` threads; what cannot be read is in ``unreadable``.
-    A dataset not read from a list of files (in memory, or a torchvision class with its own list) has none."""
+    and unchanged are skipped), in ``max(1, num_workers)`` threads, with a progress bar if ``progress``; what
+    cannot be read is in ``unreadable``. A dataset not read from a list of files (generated, in memory, or a
+    torchvision class with its own list) has none."""
     files = [path for part in (splits.train, splits.val, splits.eval) if part is not None
              for path, _ in image_samples(part) or ()]
     if not files:
         return ImageCheck()
     root = DataSource(data_dir=config.data_dir, download=False, eval_fraction=config.eval_fraction).root
-    return check_image_files(files, root, threads=max(1, config.num_workers))
+    return check_image_files(files, root, threads=max(1, config.num_workers), progress=progress)
 
 
 def without_images(splits: DataSplits, unreadable: Collection[str]) -> DataSplits:

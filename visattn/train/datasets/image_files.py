@@ -25,6 +25,7 @@ from pathlib import Path
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 from torchvision.datasets import DatasetFolder
+from tqdm import tqdm
 
 from visattn.predict.images import UnreadableImageError, read_image
 from visattn.train.datasets.spec import DataError
@@ -82,9 +83,9 @@ def cache_file(root: Path) -> Path:
     return Path(cache) / "visattn" / "image-check" / f"{digest}.json"
 
 
-def check_image_files(paths: Sequence[str], root: Path, threads: int) -> ImageCheck:
+def check_image_files(paths: Sequence[str], root: Path, threads: int, progress: bool = False) -> ImageCheck:
     """Reads each file of ``paths`` (under ``root``) once, in ``threads`` threads, but those remembered as read
-    well and unchanged since; remembers the ones that read well."""
+    well and unchanged since, with a progress bar if ``progress``; remembers the ones that read well."""
     started = time.perf_counter()
     files = list(dict.fromkeys(paths))
     remembered = _read_cache(root)
@@ -92,7 +93,9 @@ def check_image_files(paths: Sequence[str], root: Path, threads: int) -> ImageCh
     signatures = {path: _signature(path) for path in files}
     to_decode = [path for path in files if signatures[path] is None or remembered.get(keys[path]) != signatures[path]]
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        problems = list(pool.map(_problem, to_decode))
+        decoded = pool.map(_problem, to_decode)
+        problems = list(tqdm(decoded, total=len(to_decode), desc="image files: checking", unit="file",
+                             disable=not progress or not to_decode))
     unreadable = {path: problem for path, problem in zip(to_decode, problems) if problem is not None}
     for path in files:
         if path in unreadable:

@@ -56,14 +56,16 @@ class DataSplits:
 @dataclass(frozen=True)
 class DataSource:
     """Where and how a dataset is read: its root folder, whether it may be downloaded, the held-out share
-    of datasets that have no test split, and what a generated dataset is drawn with (its options,
-    ``dataset_kwargs``, and the image size (H, W))."""
+    of datasets that have no test split, what a generated dataset is drawn with (its options,
+    ``dataset_kwargs``, and the image size (H, W)), and whether preparing it shows a progress bar (a run's
+    main process)."""
 
     data_dir: str | None
     download: bool
     eval_fraction: float
     options: Mapping[str, Any] = field(default_factory=dict)
     image_hw: tuple[int, int] | None = None
+    progress: bool = False
 
     @property
     def root(self) -> Path:

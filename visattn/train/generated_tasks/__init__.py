@@ -3,11 +3,14 @@
     common.py            split names, per-sample seeds, options shared by every task, the Task record
     cluttered_digits.py  ``cluttered-digits``: find an embedded digit on a canvas strewn with pieces of others
     pathfinder.py        ``pathfinder``: are two markers joined by one dashed curve (Linsley et al. 2018, LRA)
-    store.py             drawing a split in several processes, and its checked on-disk cache
+    statistics.py        a split's mean and std from its first images, drawn in several processes, remembered
 
 The generators use NumPy and Pillow only. Options come from ``dataset_kwargs``
 (``--dataset-kwargs level=easy train_size=20000``); the images are drawn at the config's ``img_size``, or with
-``canvas_size`` at that side and resized to ``img_size`` by the transforms.
+``canvas_size`` at that side and resized to ``img_size`` by the transforms. A split is never drawn or held
+whole: :class:`GeneratedDataset` draws sample ``i`` when it is asked for (in a DataLoader worker), from the
+sample's own seeded generator, so memory follows the batch and the workers, not the split, and the images are
+the same bytes whichever process draws them, in whatever order.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from torch.utils.data import Dataset
 
 from visattn.train.generated_tasks import cluttered_digits, pathfinder
 from visattn.train.generated_tasks.common import SPLITS, Task, canvas_hw, parse_options
-from visattn.train.generated_tasks.store import load_split
+from visattn.train.generated_tasks.statistics import split_statistics
 
 TASKS: dict[str, Task] = {task.name: task for task in (cluttered_digits.TASK, pathfinder.TASK)}
 
@@ -52,19 +55,26 @@ def drawn_as(options: Any, image_hw: tuple[int, int]) -> tuple[Any, tuple[int, i
 
 
 class GeneratedDataset(Dataset):
-    """One split of a generated task as (PIL RGB image, class index) pairs; ``metadata`` holds the
-    generator's per-sample records (marker centres, digit placement), row for row."""
+    """One split of a generated task as (PIL RGB image, class index) pairs, sample ``index`` drawn each time it is
+    asked for, at ``image_hw``, from its own generator (seed, split, index): nothing of the split is held."""
 
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
-        self.images = arrays["images"]
-        self.labels = arrays["labels"]
-        self.metadata = {name: array for name, array in arrays.items() if name not in ("images", "labels")}
+    def __init__(self, task: Task, options: Any, image_hw: tuple[int, int], split: str) -> None:
+        self.task, self.options, self.image_hw, self.split = task, options, image_hw, split
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return self.options.size(self.split)
+
+    def sample(self, index: int) -> dict[str, np.ndarray]:
+        """Sample ``index`` as the generator draws it: image (H, W) uint8, label () int64, and its per-sample
+        records (marker centres, digit placement); IndexError outside the split."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of a {self.split} split of {len(self)}")
+        arrays = self.task.generate(self.options, self.image_hw, self.split, np.array([index]))
+        return {name: array[0] for name, array in arrays.items()}
 
     def __getitem__(self, index: int) -> tuple[Image.Image, int]:
-        return Image.fromarray(self.images[index]).convert("RGB"), int(self.labels[index])
+        drawn = self.sample(index)
+        return Image.fromarray(drawn["images"]).convert("RGB"), int(drawn["labels"])
 
 
 @dataclass(frozen=True)
@@ -77,23 +87,14 @@ class GeneratedSplits:
     std: tuple[float, float, float]
 
 
-def load_generated(name: str, values: Mapping[str, Any], image_hw: tuple[int, int], root: str | Path) -> GeneratedSplits:
-    """Train, val and test of task ``name``, cached under ``root/generated``; mean and std from train (at the
-    canvas's size)."""
+def load_generated(name: str, values: Mapping[str, Any], image_hw: tuple[int, int], root: str | Path,
+                   progress: bool = False) -> GeneratedSplits:
+    """Train, val and test of task ``name``, drawn on demand; mean and std from the first training images (at the
+    canvas's size; :mod:`~visattn.train.generated_tasks.statistics`), remembered under ``root/generated``, with a
+    progress bar while they are computed if ``progress``."""
     task = TASKS[name]
     options = task_options(name, values, image_hw)
     drawn, drawn_hw = drawn_as(options, image_hw)
-    splits = {split: GeneratedDataset(load_split(task, drawn, drawn_hw, split, root)) for split in SPLITS}
-    mean, std = _grey_mean_std(splits["train"].images)
+    splits = {split: GeneratedDataset(task, drawn, drawn_hw, split) for split in SPLITS}
+    mean, std = split_statistics(task, drawn, drawn_hw, "train", root, progress)
     return GeneratedSplits(**splits, num_classes=task.num_classes, mean=(mean,) * 3, std=(std,) * 3)
-
-
-def _grey_mean_std(images: np.ndarray) -> tuple[float, float]:
-    """Mean and standard deviation of uint8 ``images`` in [0, 1], from a histogram (no float copy)."""
-    counts = np.zeros(256, dtype=np.int64)
-    for start in range(0, len(images), 512):
-        counts += np.bincount(images[start:start + 512].ravel(), minlength=256)
-    levels = np.arange(256) / 255.0
-    mean = float(counts @ levels / counts.sum())
-    variance = float(counts @ (levels - mean) ** 2 / counts.sum())
-    return mean, max(variance, 1e-12) ** 0.5
