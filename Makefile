@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test test-fast bench device-check docs
+.PHONY: train test test-fast bench device-check docs check-wheel
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ DEVICE_CHECK_OUT ?= device_check_out
 device-check:
 	OUT=$(DEVICE_CHECK_OUT) PYTHON=$(PYTHON) bash scripts/device_check.sh
 
-# The documentation site into site/, warnings as errors (the configuration page is generated from TrainConfig).
+# The wheel a release would publish, installed with its train and bench extras into a fresh virtual environment
+# outside the clone, its commands started there (scripts/check_wheel.sh; minutes, most of them installing torch).
+check-wheel:
+	PYTHON=$(PYTHON) bash scripts/check_wheel.sh
+
+# The documentation site into site/, warnings as errors (scripts/docs_hooks.py writes the pages' generated parts).
 docs: $(VENV)/.installed-docs
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

@@ -125,6 +125,9 @@ SHORT_TRAINING = "--epochs 1 --warmup-epochs 0 --max-train-samples 16 --max-eval
 # What each command is started with: (extra flags appended, or a replacement; whether a one-line refusal also counts).
 STARTS = {
     "make train": "make -n train",
+    # the environment the tests run in stands in for the .venv that make sets up
+    ". .venv/bin/activate # the environment make set up: the commands below run in it":
+        "bash -c '. {venv}/bin/activate && accelerate --help > /dev/null && python -c \"import visattn\"'",
     "python scripts/digits_images.py /tmp/digits_png": "{python} scripts/digits_images.py {images}",
     "accelerate launch train.py --config configs/imagefolder.yaml --data-dir /tmp/digits_png --img-size 512":
         "{accelerate} launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no train.py "
@@ -168,6 +171,19 @@ def test_every_quick_start_is_checked():
     assert sorted(" ".join(c.split()) for c in COMMANDS) == sorted(STARTS)
 
 
+def test_the_environment_the_pages_activate_is_the_one_make_sets_up():
+    venv = re.search(r"^VENV \?= (\S+)$", (REPO / "Makefile").read_text(), flags=re.M).group(1)
+    for page in (README, REPO / "docs" / "installation.md"):
+        activations = re.findall(r"^\. (\S+)/bin/activate\b", TEXTS[page], flags=re.M)
+        assert activations and set(activations) == {venv}, _name(page)
+
+
+def test_the_pages_install_visattn_from_a_clone_until_a_release():
+    released = re.search(r"^## \[\d+\.\d+\.\d+\]", (REPO / "CHANGELOG.md").read_text(), flags=re.M)
+    from_an_index = _found(r"pip install (?:-U |--upgrade )?[\"']?visattn\b[^\n`]*")
+    assert released or not from_an_index, f"pages install the unreleased package from an index: {from_an_index}"
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A short run of the digits recipe in place of runs/digits-axial, and the digits as image files."""
@@ -191,7 +207,7 @@ def _run(command: str, timeout: int = 900) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("command", sorted(STARTS), ids=lambda c: c.split(" --")[0][:60])
 def test_quick_start_command_starts(command, trained):
     accelerate = Path(sys.executable).with_name("accelerate")
-    started = STARTS[command].format(python=sys.executable, accelerate=accelerate, **trained)
+    started = STARTS[command].format(python=sys.executable, accelerate=accelerate, venv=sys.prefix, **trained)
     result = _run(started)
     refusal = next((line for prefix, line in ACCEPTED_REFUSALS.items() if command.startswith(prefix)), None)
     if result.returncode != 0 and refusal and refusal in result.stderr:
