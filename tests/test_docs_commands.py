@@ -85,3 +85,19 @@ def test_documented_command_parses(page, command, capsys, tmp_path, monkeypatch)
     except SystemExit as exit_:
         error = capsys.readouterr().err
         assert exit_.code == 0 or any(refusal in error for refusal in EXPECTED_REFUSALS), f"{page}: {command}\n{error}"
+
+
+def test_visattn_predict_help_states_each_default_once():
+    options = re.split(r"\n  (?=-)", predict_cli.build_parser().format_help())
+    assert len(options) > 8
+    for option in options:
+        assert len(re.findall(r"\bdefault\b", option)) <= 1, option
+
+
+def test_the_json_keys_of_visattn_predict_are_named_alike_in_its_help_and_on_the_prediction_page():
+    help_text = " ".join(predict_cli.build_parser().format_help().split())
+    json_help = help_text.split("--json ", 1)[1].split(" --tile ", 1)[0]
+    (row,) = [line for line in (REPO / "docs" / "prediction.md").read_text().splitlines() if line.startswith("| `--json` |")]
+    keys = re.findall(r"`(\w+)`", row.removeprefix("| `--json` |"))
+    assert {"run_dir", "weights", "device", "data_config", "tiling", "predictions", "skipped"} <= set(keys)
+    assert [key for key in keys if not re.search(rf"\b{key}\b", json_help)] == []

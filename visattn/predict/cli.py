@@ -70,28 +70,33 @@ def build_parser() -> argparse.ArgumentParser:
         prog="visattn-predict",
         description="Predict the classes of images with a model trained by train.py: the top-k classes and their "
         "probabilities for each image, with the transform and class names recorded in the run directory.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by train.py (holds model.json)")
     parser.add_argument("paths", metavar="IMAGE_OR_FOLDER", nargs="+",
                         help="image files, and folders walked for image files (extensions as torchvision's ImageFolder)")
-    parser.add_argument("--top-k", type=_positive_int, default=5, help="classes to print per image")
+    parser.add_argument("--top-k", type=_positive_int, default=5,
+                        help="classes to print per image (default: %(default)s)")
     parser.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
-                        help="images per forward pass (tiles, with --tile)")
+                        help="images per forward pass, tiles with --tile (default: %(default)s)")
     parser.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:1, mps, ... (default: the accelerator where there is one, else cpu)")
-    parser.add_argument("--which", choices=sorted(WEIGHTS), default="best", help="which weights of the run")
-    parser.add_argument("--json", action="store_true", help="write one JSON document to stdout instead of lines")
+    parser.add_argument("--which", choices=sorted(WEIGHTS), default="best",
+                        help="which weights of the run: the best epoch's or the last (default: %(default)s)")
+    parser.add_argument("--json", action="store_true",
+                        help="write one JSON document to stdout instead of lines, with the keys run_dir, weights "
+                        "(best or last), device, data_config (the transform: input_size, interpolation, mean, std, "
+                        "crop_pct, crop_mode), tiling (null, or tile, overlap and merge), predictions (a list of path "
+                        "and top_k, a list of class_name and probability) and skipped (a list of path and reason)")
     parser.add_argument("--tile", metavar="N|HxW", default=None,
                         help="predict each image at its own size, in tiles of this many pixels (a multiple of the "
                         "model's patch size), merged as visattn.tiled.TiledViT does; without it, each image is "
-                        "resized to the size the model was trained at")
+                        "resized to the size the model was trained at (default)")
     parser.add_argument("--tile-overlap", metavar="N|HxW", default=DEFAULT_OVERLAP,
                         help="least overlap of neighbouring tiles in pixels, a multiple of the patch size smaller than "
-                        "the tile")
+                        "the tile (default: %(default)s)")
     parser.add_argument("--tile-merge", metavar="|".join(MERGES), default=MERGES[0],
-                        help="crop: each token from the tile where it is most central; blend: the centrality-weighted "
-                        "mean of the tiles covering it")
+                        help="crop: each token from the tile where it is most central (default); blend: the "
+                        "centrality-weighted mean of the tiles covering it")
     return parser
 
 
