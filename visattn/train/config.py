@@ -287,7 +287,23 @@ def default_patch_size(image_hw: tuple[int, int]) -> int:
 
 # -- value checks -------------------------------------------------------------------------------
 def check_values(config: TrainConfig) -> None:
-    """ConfigError for the first value out of range, or keys that contradict each other."""
+    """ConfigError for the first value out of range, or keys that contradict each other; in this order, as the
+    shape checks divide by patch_size and num_heads, which the counts have found positive."""
+    _check_names(config)
+    _check_dataset(config)
+    _check_counts_and_rates(config)
+    _check_transfer_and_adapters(config)
+    _check_regularisation_and_augmentation(config)
+    _check_shapes(config)
+    _check_trackers(config)
+    _check_auto_augment(config)
+    _check_attention(config)
+    _check_weights_and_model_kwargs(config)
+
+
+def _check_names(config: TrainConfig) -> None:
+    """The named choices (dataset, mixed precision, scheduler, pooling, stem, optimizer, timm model), and the
+    stem and pooling that need something of another key."""
     _choice("dataset", config.dataset, DATASETS)
     _choice("mixed_precision", config.mixed_precision, MIXED_PRECISION)
     _choice("sched", config.sched, SCHEDULERS)
@@ -301,6 +317,10 @@ def check_values(config: TrainConfig) -> None:
     _choice("opt", config.opt, list_optimizers())
     if not timm.is_model(config.model):
         raise ConfigError(f"model: {config.model!r} is not a timm model; visattn's: {', '.join(timm.list_models('visattn_*'))}")
+
+
+def _check_dataset(config: TrainConfig) -> None:
+    """An image folder's directory, and the options of a generated dataset (the others take none)."""
     if config.dataset == "imagefolder" and config.data_dir is None:
         raise ConfigError("data_dir: dataset 'imagefolder' needs --data-dir pointing at the image folder")
     if config.dataset in TASKS:
@@ -310,6 +330,10 @@ def check_values(config: TrainConfig) -> None:
             raise ConfigError(str(error)) from None
     elif config.dataset_kwargs:
         raise ConfigError(f"dataset_kwargs: dataset {config.dataset!r} takes no options; generated ones do: {', '.join(TASKS)}")
+
+
+def _check_counts_and_rates(config: TrainConfig) -> None:
+    """Counts and sizes (at least 1, or 0 where none is a choice), sample caps, learning rates."""
     for key in ("epochs", "batch_size", "grad_accum_steps", "patch_size", "embed_dim", "depth", "num_heads",
                 "keep_checkpoints"):
         _at_least(key, getattr(config, key), 1)
@@ -321,6 +345,11 @@ def check_values(config: TrainConfig) -> None:
     for key in ("lr", "transfer_lr"):
         if not getattr(config, key) > 0:
             raise ConfigError(f"{key}: must be > 0, got {getattr(config, key)}")
+
+
+def _check_transfer_and_adapters(config: TrainConfig) -> None:
+    """Attention transfer and LoRA adapters: their settings, the trained weights both start from, and what
+    they cannot be combined with."""
     _choice("transfer_mode", config.transfer_mode, TRANSFER_MODES)
     if config.transfer_epochs and config.initial_checkpoint is None and not config.pretrained:
         raise ConfigError(
@@ -339,6 +368,11 @@ def check_values(config: TrainConfig) -> None:
                           "transfer trains their adapters); give one or the other")
     if config.transfer_epochs and config.attn == TIMM_ATTENTION:
         raise ConfigError(f"transfer_epochs: attn {TIMM_ATTENTION!r} keeps timm's Attention; give the type to transfer to")
+
+
+def _check_regularisation_and_augmentation(config: TrainConfig) -> None:
+    """Gradient clipping, drop path, label smoothing, the held-out fraction, and the augmentation's
+    probabilities, strengths and crop ranges."""
     if config.clip_grad is not None and not config.clip_grad > 0:
         raise ConfigError(f"clip_grad: must be > 0 or none, got {config.clip_grad}")
     for key in ("drop_path_rate", "label_smoothing"):
@@ -355,6 +389,11 @@ def check_values(config: TrainConfig) -> None:
         low_high = getattr(config, key)
         if len(low_high) != 2 or not 0 < low_high[0] <= low_high[1]:
             raise ConfigError(f"{key}: must be [low, high] with 0 < low <= high, got {low_high}")
+
+
+def _check_shapes(config: TrainConfig) -> None:
+    """The image size against the patch size and stem, the model's width against its heads, and a batch that
+    mixup can pair."""
     if isinstance(config.img_size, list) and len(config.img_size) != 2:
         raise ConfigError(f"img_size: give one side or [H, W], got {config.img_size}")
     for side, name in zip(config.image_hw, ("height", "width")):
@@ -370,6 +409,9 @@ def check_values(config: TrainConfig) -> None:
         raise ConfigError(f"num_heads: embed_dim={config.embed_dim} must be divisible by num_heads={config.num_heads}")
     if (config.mixup > 0 or config.cutmix > 0) and config.batch_size % 2:
         raise ConfigError(f"batch_size: mixup/cutmix pair images within a batch, so it must be even, got {config.batch_size}")
+
+
+def _check_trackers(config: TrainConfig) -> None:
     available = [str(tracker) for tracker in get_available_trackers()]
     for name in config.log_with:
         if name != "all" and name not in available:
@@ -377,11 +419,18 @@ def check_values(config: TrainConfig) -> None:
                 f"log_with: tracker {name!r} is not available here; installed: {', '.join(available) or 'none'} "
                 "(or 'all')"
             )
+
+
+def _check_auto_augment(config: TrainConfig) -> None:
     if config.auto_augment is not None:
         try:
             check_auto_augment(config.auto_augment)
         except ValueError as error:
             raise ConfigError(f"auto_augment: {error}") from None
+
+
+def _check_attention(config: TrainConfig) -> None:
+    """One attention name, or one per block; each a registered type, "auto" or timm's own (for every block)."""
     valid = list_attentions()
     if isinstance(config.attn, list):
         if len(config.attn) != config.depth:
@@ -395,6 +444,10 @@ def check_values(config: TrainConfig) -> None:
         raise ConfigError(
             f"attn: unknown attention {', '.join(map(repr, bad))}; valid: {', '.join(valid)}, auto, {TIMM_ATTENTION}"
         )
+
+
+def _check_weights_and_model_kwargs(config: TrainConfig) -> None:
+    """One source of first weights at most, and model_kwargs that leave alone what other keys set."""
     if config.pretrained and config.initial_checkpoint is not None:
         raise ConfigError("pretrained and initial_checkpoint exclude each other: start from timm's weights or from the file")
     overlap = sorted(set(config.model_kwargs) & _OWN_MODEL_KEYS)
