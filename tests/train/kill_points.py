@@ -29,7 +29,7 @@ import torch
 import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.predict import LAST_WEIGHTS
 from visattn.train import checkpoint as ckpt
-from visattn.train import loop, run_log
+from visattn.train import loop, prepare, run_log
 
 # Where a run can be stopped, and the function whose wrapper stops it there.
 POINTS = {
@@ -92,13 +92,13 @@ class _Stopper:
             os._exit(1)
 
     def install(self) -> None:
-        original_training = train.Training
+        original_training = prepare.Training
 
         def training(**kwargs: Any) -> loop.Training:
             self.run = original_training(**kwargs)
             return self.run
 
-        train.Training = training
+        prepare.Training = training
         getattr(self, "_" + self.point.where.replace("-", "_"))()
 
     def _update(self) -> None:

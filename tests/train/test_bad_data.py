@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from tests.train.fake_datasets import CLASS_COLOURS
 import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.predict import read_image, to_rgb
+from visattn.train import prepare
 from visattn.train.config import make_config
 from visattn.train.data import (
     DataError, ImageCheck, TransformedDataset, build_transform, check_images, load_splits, without_images,
@@ -258,7 +259,7 @@ def test_a_file_damaged_after_the_check_is_one_line_naming_it_also_from_a_loader
     assert str(caught.value).startswith(f"{path}: cannot decode: ") and "\n" not in str(caught.value)
 
     # through train.py, as if the file had been damaged once the check had passed: the epoch's evaluation meets it
-    monkeypatch.setattr(train, "load_data", lambda accelerator, config, download: (load_splits(config), ImageCheck()))
+    monkeypatch.setattr(prepare, "load_data", lambda accelerator, config, download: (load_splits(config), ImageCheck()))
     assert train.main([*TINY, "--data-dir", str(root), "--run-dir", str(tmp_path / "run"), "--num-workers", "1"]) == 2
     assert error_line(capsys.readouterr().err).startswith(f"error: {path}: cannot decode: ")
 

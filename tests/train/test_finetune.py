@@ -22,6 +22,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.models import create_model, load_weights
 from visattn.predict import load_trained_model, read_model_file
+from visattn.train import prepare
 from visattn.train.build import build_model
 from visattn.train.cli import resolve_config
 from visattn.train.cli import parse_args
@@ -80,13 +81,13 @@ def test_finetune_starts_from_the_stock_weights(kind, tmp_path, monkeypatch, cap
 
     # The model train.py trains, as its first evaluation (before any update) sees it.
     seen = []
-    original_evaluate = train.evaluate
+    original_evaluate = prepare.evaluate
 
     def evaluate_and_keep(accelerator, model, loader):
         seen.append({key: value.detach().clone() for key, value in accelerator.unwrap_model(model).state_dict().items()})
         return original_evaluate(accelerator, model, loader)
 
-    monkeypatch.setattr(train, "evaluate", evaluate_and_keep)
+    monkeypatch.setattr(prepare, "evaluate", evaluate_and_keep)
     run_dir = tmp_path / "finetuned"
     assert train.main([*FINETUNE, "--initial-checkpoint", str(source_path), "--run-dir", str(run_dir)]) == 0
     out = capsys.readouterr().out

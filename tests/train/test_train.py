@@ -27,7 +27,7 @@ from tests.helpers import rms_rel_err
 import train  # the script at the repository root, importable from there as pytest runs the tests
 from visattn.models import create_model
 from visattn.predict import load_trained_model
-from visattn.train import build, data, loop
+from visattn.train import build, data, loop, prepare
 from visattn.train.cli import build_parser, parse_args
 from visattn.train.config import ConfigError, TrainConfig, make_config, run_dir_of
 from visattn.train.data import TransformedDataset, build_transform, load_splits
@@ -572,7 +572,7 @@ class _NanGradient(torch.autograd.Function):
 def _poison_criterion(monkeypatch, faults: dict[int, str]) -> None:
     """Makes the training loss of the listed updates (1-based, one batch an update) NaN ("loss"), or
     its gradient NaN ("gradient"), 0 ("zero") or 1e10 times larger ("huge")."""
-    build = train.build_criterion
+    build = prepare.build_criterion
     calls = [0]
 
     def build_poisoned(config, mixup):
@@ -590,7 +590,7 @@ def _poison_criterion(monkeypatch, faults: dict[int, str]) -> None:
 
         return poisoned
 
-    monkeypatch.setattr(train, "build_criterion", build_poisoned)
+    monkeypatch.setattr(prepare, "build_criterion", build_poisoned)
 
 
 def _error_line(stderr: str) -> str:

@@ -8,7 +8,9 @@
     data.py         the dataset of a config, transforms, seeded augmentation
     generated/      the generated tasks cluttered-digits and pathfinder, drawn from a seed and cached
     build.py        accelerator, data, model, optimizer, scheduler, loaders, mixup from a config
+    prepare.py      a run's steps before its first update: build, claim the run directory, prepare, resume
     loop.py         one epoch, evaluation, metrics, weights and checkpoints, the run's summary
+    transfer.py     the attention-transfer stage of a run, before its fine-tune epochs
     run_dir.py       the run directory: its checks, the run lock, files written whole
     checkpoint.py   crash-safe, verified checkpoints and the trained weights
     run_log.py      per-epoch metrics, plot, summary, peak memory

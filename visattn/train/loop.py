@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
-from safetensors import safe_open
 from safetensors.torch import load_file
 from timm.data import Mixup
 from timm.scheduler.scheduler import Scheduler
@@ -21,49 +21,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from visattn.models.lora import adapted_state_dict
-from visattn.predict import BEST_WEIGHTS, LAST_WEIGHTS, MODEL_FILE
+from visattn.predict import BEST_WEIGHTS, LAST_WEIGHTS
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
-from visattn.train.config import TrainConfig, config_yaml
-from visattn.train.data import DataSplits, describe_unreadable, eval_data_config
+from visattn.train.config import TrainConfig
+from visattn.train.data import describe_unreadable
 
 # The loss and learning rate in the progress bar are refreshed at most this often.
 POSTFIX_SECONDS = 0.5
-
-
-def write_run_files(run_dir: Path, config: TrainConfig, model_kwargs: dict[str, Any], splits: DataSplits) -> None:
-    """The effective config (what --resume reads) and model.json (what visattn.predict reads)."""
-    ckpt.write_atomically(run_dir / ckpt.CONFIG_FILE, config_yaml(config))
-    ckpt.write_model_file(run_dir, config.model, model_kwargs, eval_data_config(config, splits), splits.named_classes())
-
-
-def check_checkpoint_model(accelerator: Accelerator, model: nn.Module, run_dir: Path, checkpoint: Path,
-                           model_kwargs: dict[str, Any]) -> None:
-    """Before ``--resume`` loads ``checkpoint``: a RunDirError in one line when its weights do not fit this
-    config's model, naming the model settings that changed since the run started (its model.json)."""
-    weights = checkpoint / "model.safetensors"
-    if not weights.is_file():
-        return  # what is missing is reported by the load itself
-    with safe_open(str(weights), framework="pt") as saved:
-        saved_shapes = {key: tuple(saved.get_slice(key).get_shape()) for key in saved.keys()}
-    shapes = {key: tuple(value.shape) for key, value in accelerator.unwrap_model(model).state_dict().items()}
-    if saved_shapes == shapes:
-        return
-    differing = sorted(key for key in saved_shapes.keys() | shapes.keys() if saved_shapes.get(key) != shapes.get(key))
-    first = differing[0]
-    try:
-        saved_kwargs = json.loads((run_dir / MODEL_FILE).read_text())["kwargs"]
-    except (OSError, ValueError, KeyError, TypeError):
-        saved_kwargs = {}  # the shapes alone then say that the model differs
-    as_json = json.loads(json.dumps(model_kwargs))  # tuples as lists, as model.json holds them
-    changed = [f"{key}: {saved_kwargs[key]} -> {value}" for key, value in as_json.items()
-               if key in saved_kwargs and saved_kwargs[key] != value]
-    raise ckpt.RunDirError(
-        f"cannot resume from {checkpoint}: it holds another model ({len(differing)} tensor(s) differ, e.g. {first}: "
-        f"{saved_shapes.get(first, 'absent')} in the checkpoint, {shapes.get(first, 'absent')} here); "
-        f"{'changed model settings: ' + '; '.join(changed) if changed else 'no model setting changed'}. "
-        "Resume with the run's settings, or start a new --run-dir"
-    )
 
 
 def new_trainer_state(num_processes: int) -> dict[str, Any]:
@@ -201,14 +166,7 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
     """Train ``epoch`` (its remaining batches, when resumed mid-epoch), checkpointing every
     ``save_every`` updates. Returns the epoch's loss sum and image count over all processes, and seconds."""
     accelerator, config, state, loader = run.accelerator, run.config, run.state, run.train_loader
-    loader.set_epoch(epoch)  # the seeded sampler's order for this epoch
-    loader.dataset.set_epoch(epoch)  # the augmentation seeds for this epoch
-    skip = state["batch"]
-    batches = accelerator.skip_first_batches(loader, skip) if skip else loader
-    # (loss sum, images): a mid-epoch checkpoint carries the global sums so far, restored on the main process
-    sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    if accelerator.is_main_process:
-        sums += torch.tensor([state["partial_loss_sum"], state["partial_samples"]], dtype=torch.float64, device=sums.device)
+    batches, skip, sums = _start_epoch(run, epoch)
     train_time = state["partial_train_time"]
     run.model.train()
     progress = tqdm(total=len(loader), initial=skip, desc=f"epoch {epoch + 1}/{config.epochs}",
@@ -221,34 +179,11 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
     pending = torch.zeros_like(sums)
     watch = NonfiniteWatch(accelerator.device)
     for batch_index, (images, targets) in enumerate(batches, start=skip):
-        if run.mixup is not None:
-            images, targets = run.mixup(images, targets)
-        with accelerator.accumulate(run.model):
-            loss = run.criterion(run.model(images), targets)
-            accelerator.backward(loss)
-            loss_is_finite &= loss.detach().isfinite()
-            skipped = False
-            if accelerator.sync_gradients:
-                bad = nonfinite_update(run, loss_is_finite)
-                if config.skip_nonfinite:
-                    skipped = bool(bad.item())  # skipping must know before the step: one wait per update
-                else:
-                    watch.note(bad, state["update"] + 1, loss_is_finite)
-            if accelerator.sync_gradients and config.clip_grad is not None and not skipped:
-                accelerator.clip_grad_norm_(run.model.parameters(), config.clip_grad)
-            if not skipped:
-                run.optimizer.step()
-            run.optimizer.zero_grad()
+        loss, skipped = _train_step(run, images, targets, loss_is_finite, watch)
         pending[0] += loss.detach().double() * len(images)
         pending[1] += len(images)
         if accelerator.sync_gradients:
-            if skipped:
-                state["skipped_updates"] = state.get("skipped_updates", 0) + 1
-                accelerator.print(f"update {state['update'] + 1}: non-finite loss or gradient, skipped")
-            else:
-                sums += pending
-            pending.zero_()
-            loss_is_finite.fill_(True)
+            _settle_update(run, skipped, sums, pending, loss_is_finite)
         progress.update(1)
         if time.perf_counter() - shown >= POSTFIX_SECONDS or batch_index + 1 == len(loader):
             # by time, not every step: reading the loss waits for the device
@@ -262,18 +197,80 @@ def train_epoch(run: Training, epoch: int) -> tuple[float, int, float]:
         last_batch = batch_index + 1 == len(loader)  # the end-of-epoch checkpoint follows
         if config.save_every and state["update"] % config.save_every == 0 and not last_batch:
             train_time += time.perf_counter() - tick
-            watch.check(run, progress)
-            totals = accelerator.reduce(sums, reduction="sum")
-            state.update(batch=batch_index + 1, partial_loss_sum=totals[0].item(),
-                         partial_samples=int(totals[1].item()), partial_train_time=train_time)
-            check_finite_weights(run, progress)
-            ckpt.save_checkpoint(accelerator, run.run_dir, state, config.keep_checkpoints)
+            _save_mid_epoch(run, batch_index + 1, sums, train_time, watch, progress)
             tick = time.perf_counter()
     watch.check(run, progress)
     progress.close()
     train_time += time.perf_counter() - tick
     totals = accelerator.reduce(sums, reduction="sum")
     return totals[0].item(), int(totals[1].item()), train_time
+
+
+def _start_epoch(run: Training, epoch: int) -> tuple[Iterable[Any], int, torch.Tensor]:
+    """The loader set to ``epoch``: (its batches still to train, the batches already trained, the (loss sum,
+    images) so far: a mid-epoch checkpoint carries the global sums, restored on the main process)."""
+    accelerator, state, loader = run.accelerator, run.state, run.train_loader
+    loader.set_epoch(epoch)  # the seeded sampler's order for this epoch
+    loader.dataset.set_epoch(epoch)  # the augmentation seeds for this epoch
+    skip = state["batch"]
+    batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+    sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    if accelerator.is_main_process:
+        sums += torch.tensor([state["partial_loss_sum"], state["partial_samples"]], dtype=torch.float64, device=sums.device)
+    return batches, skip, sums
+
+
+def _train_step(run: Training, images: torch.Tensor, targets: torch.Tensor, loss_is_finite: torch.Tensor,
+                watch: NonfiniteWatch) -> tuple[torch.Tensor, bool]:
+    """One micro-batch: mixup, forward, backward and, where it completes an update, the non-finite check,
+    gradient clipping and the optimizer step. ``loss_is_finite`` (the update's so far) is updated in place.
+    Returns (the loss, whether the update was skipped under ``skip_nonfinite``)."""
+    accelerator, config = run.accelerator, run.config
+    if run.mixup is not None:
+        images, targets = run.mixup(images, targets)
+    with accelerator.accumulate(run.model):
+        loss = run.criterion(run.model(images), targets)
+        accelerator.backward(loss)
+        loss_is_finite &= loss.detach().isfinite()
+        skipped = False
+        if accelerator.sync_gradients:
+            bad = nonfinite_update(run, loss_is_finite)
+            if config.skip_nonfinite:
+                skipped = bool(bad.item())  # skipping must know before the step: one wait per update
+            else:
+                watch.note(bad, run.state["update"] + 1, loss_is_finite)
+        if accelerator.sync_gradients and config.clip_grad is not None and not skipped:
+            accelerator.clip_grad_norm_(run.model.parameters(), config.clip_grad)
+        if not skipped:
+            run.optimizer.step()
+        run.optimizer.zero_grad()
+    return loss, skipped
+
+
+def _settle_update(run: Training, skipped: bool, sums: torch.Tensor, pending: torch.Tensor,
+                   loss_is_finite: torch.Tensor) -> None:
+    """At the end of an update: its micro-batches' (loss sum, images) ``pending`` added to ``sums``, or the update
+    counted as skipped; ``pending`` and ``loss_is_finite`` reset in place for the next one."""
+    if skipped:
+        run.state["skipped_updates"] = run.state.get("skipped_updates", 0) + 1
+        run.accelerator.print(f"update {run.state['update'] + 1}: non-finite loss or gradient, skipped")
+    else:
+        sums += pending
+    pending.zero_()
+    loss_is_finite.fill_(True)
+
+
+def _save_mid_epoch(run: Training, batches_done: int, sums: torch.Tensor, train_time: float, watch: NonfiniteWatch,
+                    progress: tqdm) -> None:
+    """A checkpoint after ``batches_done`` batches of the epoch, with the global sums and seconds so far; only once
+    the watch and the weights show nothing non-finite."""
+    accelerator, state = run.accelerator, run.state
+    watch.check(run, progress)
+    totals = accelerator.reduce(sums, reduction="sum")
+    state.update(batch=batches_done, partial_loss_sum=totals[0].item(),
+                 partial_samples=int(totals[1].item()), partial_train_time=train_time)
+    check_finite_weights(run, progress)
+    ckpt.save_checkpoint(accelerator, run.run_dir, state, run.config.keep_checkpoints)
 
 
 def finish_epoch(run: Training, epoch: int, loss_sum: float, images: int, train_time: float) -> None:

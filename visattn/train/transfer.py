@@ -30,7 +30,7 @@ from visattn.predict import read_model_file
 from visattn.train import checkpoint as ckpt
 from visattn.train import run_log
 from visattn.train.config import ConfigError, TrainConfig
-from visattn.train.initial import InitialWeights, load_initial_weights
+from visattn.train.initial import InitialWeights, load_initial_weights, read_initial_weights
 from visattn.train.loop import POSTFIX_SECONDS, NonFiniteError, Training, evaluate, test_scores
 from visattn.train.run_dir import is_run_dir
 
@@ -79,6 +79,20 @@ class TransferStage:
     transfer: AttentionTransfer
     optimizer: torch.optim.Optimizer
     total_steps: int
+
+
+def run_transfer_stage(run: Training, optimizer: torch.optim.Optimizer | None, num_classes: int,
+                       initial: InitialWeights | None) -> None:
+    """What remains of the run's attention-transfer stage (nothing without ``transfer_epochs``, or once it has
+    ended): its parent built from the ``initial`` weights (read again when a resumed run needs them), the
+    converted layers trained against it with the prepared ``optimizer``."""
+    config = run.config
+    if not config.transfer_epochs or run.state["transfer_epoch"] >= config.transfer_epochs:
+        return
+    parent = build_parent(config, num_classes, initial or read_initial_weights(config), run.accelerator.device)
+    transfer = AttentionTransfer(parent, run.accelerator.unwrap_model(run.model), config.transfer_mode,
+                                 config.transfer_projections)
+    run_transfer(run, TransferStage(transfer, optimizer, config.transfer_epochs * len(run.train_loader)))
 
 
 def run_transfer(run: Training, stage: TransferStage) -> None:
