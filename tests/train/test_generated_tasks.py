@@ -13,18 +13,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from scipy import ndimage
 
 from tests.helpers import load_script
+from visattn.layers import get_attention
+from visattn.train import overview
+from visattn.train.attention import resolve_attention
+from visattn.train.build import build_model
 from visattn.train.cli import parse_args
 from visattn.train.config import ConfigError, make_config
-from visattn.train.data import build_transform, load_splits
+from visattn.train.data import DataSplits, build_transform, load_splits
 from visattn.train.generated_tasks import TASKS, GeneratedDataset, drawn_as, load_generated, statistics, task_options
 from visattn.train.generated_tasks import cluttered_digits as cd
 from visattn.train.generated_tasks import pathfinder as pf
 from visattn.train.generated_tasks.common import SPLITS
-from visattn.train.run_log import SUMMARY_FILE
+from visattn.train.run_log import SUMMARY_FILE, significant
 
 REPO = Path(__file__).resolve().parents[2]
 PF_HW = (128, 128)  # the published geometry is for 128 px; smaller canvases scale strokes below 2 px
@@ -655,6 +660,77 @@ def test_train_py_runs_on_a_generated_dataset(tmp_path):
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / SUMMARY_FILE).is_file()
+
+
+# -- what the README's GPU run says before its first step ------------------------------------------
+def quick_start(**values) -> tuple[object, object, DataSplits]:
+    """The README's GPU quick start (cluttered digits at 1024 px, ViT-S/16, linear, batch 32, 4 epochs, 8 workers):
+    its config, its model, and splits of its sizes (no images needed for what is counted)."""
+    config = make_config({"dataset": "cluttered-digits", "img_size": 1024, "model": "vit_small_patch16_224",
+                          "attn": "linear", "batch_size": 32, "epochs": 4, "num_workers": 8, **values})
+    resolve_attention(config)
+    splits = DataSplits(train=range(10_000), val=range(2_000), eval=range(2_000), num_classes=10, mean=(0.1,) * 3,
+                        std=(0.2,) * 3)
+    return config, build_model(config, num_classes=10), splits
+
+
+def test_the_overview_counts_the_images_tokens_flops_and_memory_of_the_quick_start(monkeypatch):
+    monkeypatch.setattr(overview, "loader_workers", lambda asked: asked)  # as on the H200's 16 cores
+    config, model, splits = quick_start()
+    n, c, hidden, grid = 4097, 384, 1536, 4096
+    case = overview.block_cases(config, model)[0][1]
+    block = 6 * n * c * c + 2 * n * c * c + 4 * n * c * hidden + get_attention("linear").mixing_flops(case)
+    step_flops = 3 * 32 * (2 * grid * (3 * 16 * 16) * c + 12 * block)
+    cost = overview.step_cost(config, model, torch.device("cpu"))
+    assert cost.flops == step_flops
+    in_flight = 2 * 8 + 1  # two batches per worker and the step's
+    assert overview.cost_lines(config, splits, model, 1, 10_000 // 32, torch.device("cpu"), cost) == [
+        "cost: 39,936 images trained, 8,000 validation and 2,000 test images evaluated; 4,097 tokens per image, "
+        f"131,104 per step; {significant(step_flops / 1e12)} TFLOPs per step (forward and backward, an estimate from "
+        "the cost models)",
+        f"memory per process: a step about {significant(cost.memory_bytes / 2**30)} GiB on cpu (an estimate: weights, "
+        "gradients, AdamW's moments, the activations kept for the backward); the training loader up to "
+        f"{significant(in_flight * 32 * 3 * 1024 * 1024 * 4 / 2**30)} GiB (17 batches of 32 images of 3x1024x1024 in "
+        "fp32: 8 workers x 2 in flight and the step's)",
+    ]
+
+
+def test_the_step_memory_estimate_is_just_under_the_peak_the_h200_measured():
+    """docs/results/2026-11-27-h200-check.md: the quick start in bf16 peaked at 22,994 MiB
+    (torch.cuda.max_memory_allocated)."""
+    config, model, _ = quick_start(mixed_precision="bf16")
+    estimate = overview.step_cost(config, model, torch.device("cuda")).memory_bytes / 2**20
+    assert 0.9 * 22_994 < estimate <= 22_994
+
+
+def test_a_gpu_recipe_on_the_cpu_is_warned_of_with_the_time_a_step_takes_there(monkeypatch):
+    rates = []
+
+    def measured(dtype, dim):
+        rates.append((dtype, dim))
+        return 1e11
+
+    monkeypatch.setattr(overview, "matmul_flops_per_s", measured)
+    monkeypatch.setattr(overview, "machine_memory_bytes", lambda: 16 * 2**30)
+    config, model, _ = quick_start(mixed_precision="bf16")
+    cost = overview.step_cost(config, model, torch.device("cpu"))
+    seconds = cost.flops / 1e11
+    assert overview.cpu_warning(config, model, 312, cost) == [
+        f"warning: a recipe for a GPU on the CPU (bf16 mixed precision; a step of 32 images at 1024x1024; a step "
+        f"needing {significant(cost.memory_bytes / 2**30)} GiB, more than this machine's 16.0 GiB): a step takes about "
+        f"{significant(seconds)} s here, {significant(seconds * 312 / 3600)} h per epoch (an estimate: "
+        f"{significant(cost.flops / 1e12)} TFLOPs at the 100 GFLOP/s this process's bfloat16 matmuls reach, measured "
+        "now; the rest of the step comes on top); on a CPU train in fp32 (--mixed-precision no) at a smaller "
+        "--img-size or --batch-size"
+    ]
+    assert rates == [(torch.bfloat16, 384)]
+    # the CPU recipe of the same task: fp32, 128 px, a small ViT
+    values, _, _ = parse_args(["--config", str(REPO / "configs" / "cluttered-digits.yaml")])
+    small_config = make_config(values)
+    small_model = build_model(small_config, num_classes=10)
+    small_cost = overview.step_cost(small_config, small_model, torch.device("cpu"))
+    assert small_cost.flops / 1e11 < overview.CPU_STEP_WARNING_S
+    assert overview.cpu_warning(small_config, small_model, 312, small_cost) == []
 
 
 # -- the markers' distance as a shortcut (scripts/generated_tasks.py shortcut) ---------------------

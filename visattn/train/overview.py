@@ -1,13 +1,19 @@
 """The lines a run prints before its first step: what it trains on, what it builds, where it writes."""
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from visattn.layers import attention_options, get_attention, list_attentions
+from visattn.layers import GridAttention, attention_options, get_attention, list_attentions
 from visattn.layers.cost import CostCase, TokenLayout
+from visattn.train.build import loader_workers
 from visattn.train.config import MAX_DEFAULT_TOKENS, TrainConfig
 from visattn.train.data import DataSplits, ImageCheck, choose_normalization, describe_unreadable
 from visattn.train.run_log import significant
@@ -43,24 +49,31 @@ def position_options_line(config: TrainConfig) -> str | None:
     return f"position: {'; '.join(parts)}" if parts else None
 
 
+def block_cases(config: TrainConfig, model: nn.Module, act_bytes: int = 4,
+                device: torch.device = torch.device("cpu")) -> list[tuple[type[GridAttention], CostCase]]:
+    """Each block's attention type (its cost model: timm's own Attention counts as softmax) and its CostCase for one
+    image, with activations of ``act_bytes`` bytes on ``device``'s paths."""
+    layout = TokenLayout(tuple(model.patch_embed.grid_size), model.num_prefix_tokens)
+    heads = model.blocks[0].attn.num_heads
+    cases = []
+    for block in model.blocks:
+        name = getattr(block.attn, "name", TIMM_COST_MODEL)
+        # resolved options (visattn.train.attention): under each type's name for a list of types, else flat
+        kwargs = config.attn_kwargs.get(name, {}) if isinstance(config.attn, list) else config.attn_kwargs
+        options = attention_options(name, kwargs, layout.grid)
+        cases.append((get_attention(name), CostCase(layout, heads, model.embed_dim // heads, options, act_bytes, device)))
+    return cases
+
+
 def attention_cost_lines(config: TrainConfig, model: nn.Module) -> list[str]:
     """The token mixing's forward FLOPs per image, summed over the blocks, from each type's cost model
     (:meth:`visattn.layers.GridAttention.mixing_flops`) beside full softmax attention's; and a warning when
     the grid has more tokens than a default patch size would make."""
-    layout = TokenLayout(tuple(model.patch_embed.grid_size), model.num_prefix_tokens)
-    heads = model.blocks[0].attn.num_heads
-    head_dim = model.embed_dim // heads
-
-    def block_flops(name: str, kwargs: dict) -> int:
-        options = attention_options(name, kwargs, layout.grid)
-        return get_attention(name).mixing_flops(CostCase(layout, heads, head_dim, options))
-
-    total = 0
-    for block in model.blocks:
-        name = getattr(block.attn, "name", TIMM_COST_MODEL)
-        # resolved options (visattn.train.attention): under each type's name for a list of types, else flat
-        total += block_flops(name, config.attn_kwargs.get(name, {}) if isinstance(config.attn, list) else config.attn_kwargs)
-    softmax = len(model.blocks) * block_flops(TIMM_COST_MODEL, {})
+    cases = block_cases(config, model)
+    layout = cases[0][1].layout
+    total = sum(layer.mixing_flops(case) for layer, case in cases)
+    softmax_case = dataclasses.replace(cases[0][1], options=attention_options(TIMM_COST_MODEL, {}, layout.grid))
+    softmax = len(cases) * get_attention(TIMM_COST_MODEL).mixing_flops(softmax_case)
     lines = [
         f"attention cost: {_flops(total)} per image per forward pass (token mixing of all {len(model.blocks)} blocks; "
         f"full softmax attention: {_flops(softmax)})"
@@ -95,12 +108,140 @@ def image_check_lines(check: ImageCheck) -> list[str]:
     return lines
 
 
+# A training step on a CPU estimated longer than this is a batch or an image size meant for a GPU.
+CPU_STEP_WARNING_S = 10.0
+# Batches a DataLoader holds per worker (torch's default prefetch_factor).
+PREFETCH_FACTOR = 2
+# Bytes of an activation under each mixed precision: autocast keeps the matmuls' outputs in 16 bits.
+ACTIVATION_BYTES = {"no": 4, "fp16": 2, "bf16": 2, "fp8": 2}
+MATMUL_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one training step of ``batch`` images costs, from the cost models (an estimate): its forward and
+    backward FLOPs, and the bytes it allocates at its peak (weights, gradients and AdamW's two moments, the
+    activations the blocks keep for the backward, one block's working set)."""
+
+    batch: int
+    flops: int
+    memory_bytes: int
+
+
+def step_cost(config: TrainConfig, model: nn.Module, device: torch.device) -> StepCost:
+    """The cost of a step of ``config.batch_size`` images, counted as ``visattn.bench`` counts a model's: per block
+    the qkv projection, the proj (``2 N C^2``), the MLP (``4 N C C_mlp``) and the token mixing of the type's cost
+    model, the patch projection over the grid; a step is three forward passes (the backward's products are two of
+    the forward's size). Memory keeps ``5 N C + 2 N C_mlp`` activations per block and image plus what the type
+    saves, and one block's live set on top."""
+    act_bytes = ACTIVATION_BYTES[config.mixed_precision]
+    cases = block_cases(config, model, act_bytes, device)
+    layout = cases[0][1].layout
+    n, c, rows_cols = layout.num_tokens, model.embed_dim, layout.num_patches
+    hidden = model.blocks[0].mlp.fc1.out_features
+    patch_h, patch_w = model.patch_embed.patch_size
+    forward = 2 * rows_cols * 3 * patch_h * patch_w * c + sum(
+        layer.qkv_flops(case) + 2 * n * c * c + 4 * n * c * hidden + layer.mixing_flops(case) for layer, case in cases
+    )
+    mixing = [layer.mixing_memory(case) for layer, case in cases]
+    saved = sum((5 * n * c + 2 * n * hidden) * act_bytes + memory.train for memory in mixing)
+    working = max((2 * n * c + 2 * n * hidden) * act_bytes, 6 * n * c * act_bytes + max(m.infer for m in mixing))
+    image = 3 * config.image_hw[0] * config.image_hw[1] * 4
+    params = sum(p.numel() for p in model.parameters())
+    memory = 16 * params + sum(m.shared for m in mixing) + config.batch_size * (image + saved + working)
+    return StepCost(batch=config.batch_size, flops=3 * forward * config.batch_size, memory_bytes=memory)
+
+
+def loader_batches(num_workers: int) -> int:
+    """Batches a training loader holds at once per process: two in flight per worker, and the one the step reads."""
+    return PREFETCH_FACTOR * num_workers + 1 if num_workers else 1
+
+
+def machine_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def matmul_flops_per_s(dtype: torch.dtype, dim: int, repeats: int = 5) -> float:
+    """The FLOP/s this process's matmuls reach on the CPU in ``dtype``, at the shape of an MLP's first layer of width
+    ``dim`` over 1,024 tokens: the fastest of ``repeats`` products after a warm-up one (on cores other processes
+    share, the fastest is the least disturbed)."""
+    a, b = torch.randn(1024, dim).to(dtype), torch.randn(dim, 4 * dim).to(dtype)
+    torch.matmul(a, b)
+    fastest = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.matmul(a, b)
+        fastest = min(fastest, time.perf_counter() - started)
+    return 2 * 1024 * dim * 4 * dim / fastest
+
+
+def cost_lines(config: TrainConfig, splits: DataSplits, model: nn.Module, num_processes: int, batches_per_epoch: int,
+               device: torch.device, cost: StepCost) -> list[str]:
+    """What the run will cost: the images it trains on and evaluates, the tokens per image and per step, the
+    FLOPs of a step, and the memory a step and the training loader take per process."""
+    global_batch = config.batch_size * num_processes
+    layout = TokenLayout(tuple(model.patch_embed.grid_size), model.num_prefix_tokens)
+    selection = splits.val if splits.val is not None else splits.eval
+    tests = len(splits.eval) * (config.epochs if config.test_every_epoch else 1)
+    workers = loader_workers(config.num_workers)
+    batches = loader_batches(workers)
+    height, width = config.image_hw
+    loader_bytes = batches * config.batch_size * 3 * height * width * 4
+    in_flight = (f"{_count(workers, 'worker')} x {PREFETCH_FACTOR} in flight and the step's" if workers else
+                 "drawn in the training process")
+    return [
+        f"cost: {config.epochs * batches_per_epoch * global_batch:,} images trained, "
+        f"{config.epochs * len(selection):,} {'validation' if splits.val is not None else 'test'} and {tests:,} test "
+        f"images evaluated; {layout.num_tokens:,} tokens per image, {layout.num_tokens * global_batch:,} per step; "
+        f"{_flops(cost.flops)} per step (forward and backward, an estimate from the cost models)",
+        f"memory per process: a step about {_bytes(cost.memory_bytes)} on {device.type} (an estimate: weights, "
+        f"gradients, AdamW's moments, the activations kept for the backward); the training loader up to "
+        f"{_bytes(loader_bytes)} ({_count(batches, 'batch', 'batches')} of {config.batch_size} images of "
+        f"3x{height}x{width} in fp32: {in_flight})",
+    ]
+
+
+def cpu_warning(config: TrainConfig, model: nn.Module, batches_per_epoch: int, cost: StepCost) -> list[str]:
+    """On a CPU, one line when the run has a GPU recipe's settings: mixed precision, a step estimated longer than
+    ``CPU_STEP_WARNING_S``, or one whose memory estimate exceeds the machine's; with the time a step takes here,
+    estimated from its FLOPs and a matmul rate measured now. None otherwise."""
+    dtype = MATMUL_DTYPES.get(config.mixed_precision, torch.float32)
+    rate = matmul_flops_per_s(dtype, model.embed_dim)
+    seconds = cost.flops / rate
+    memory = machine_memory_bytes()
+    reasons = [f"{config.mixed_precision} mixed precision"] if config.mixed_precision in MATMUL_DTYPES else []
+    if seconds > CPU_STEP_WARNING_S:
+        reasons.append(f"a step of {config.batch_size} images at {config.image_hw[0]}x{config.image_hw[1]}")
+    if cost.memory_bytes > memory:
+        reasons.append(f"a step needing {_bytes(cost.memory_bytes)}, more than this machine's {_bytes(memory)}")
+    if not reasons:
+        return []
+    epoch_hours = seconds * batches_per_epoch / 3600
+    return [
+        f"warning: a recipe for a GPU on the CPU ({'; '.join(reasons)}): a step takes about {significant(seconds)} s "
+        f"here, {significant(epoch_hours)} h per epoch (an estimate: {_flops(cost.flops)} at the "
+        f"{significant(rate / 1e9)} GFLOP/s this process's {str(dtype).removeprefix('torch.')} matmuls reach, "
+        f"measured now; the rest of the step comes on top); on a CPU train "
+        f"{'in fp32 (--mixed-precision no) ' if config.mixed_precision in MATMUL_DTYPES else ''}at a smaller "
+        "--img-size or --batch-size"
+    ]
+
+
+def _bytes(count: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{significant(count / scale)} {unit}"
+    return f"{count:,} bytes"
+
+
 def run_overview(
     config: TrainConfig, splits: DataSplits, model: nn.Module, num_processes: int, batches_per_epoch: int,
     auto: bool, run_dir: Path, device: torch.device, image_check: ImageCheck,
 ) -> list[str]:
     """One line each: data (and its image files, and for a run that starts from weights, its normalisation and
-    why), model, attention, schedule, run directory; and a warning when the warm-up does not end within the run."""
+    why), model, attention, schedule, cost (images, tokens, FLOPs), memory, run directory; and warnings when the
+    warm-up does not end within the run, and when a GPU recipe runs on the CPU (:func:`cpu_warning`)."""
     height, width = config.image_hw
     rows, cols = model.patch_embed.grid_size
     patch_h, patch_w = model.patch_embed.patch_size
@@ -111,6 +252,7 @@ def run_overview(
     updates = -(-batches_per_epoch // config.grad_accum_steps)
     threads = f" ({_count(torch.get_num_threads(), 'CPU thread')} each)" if device.type == "cpu" else ""
     update_text = f", {global_batch * config.grad_accum_steps} per update" if config.grad_accum_steps > 1 else ""
+    cost = step_cost(config, model, device)
     return [
         f"data: {config.dataset}, {len(splits.train)} train / "
         f"{'no' if splits.val is None else len(splits.val)} validation / {len(splits.eval)} test images, "
@@ -126,8 +268,9 @@ def run_overview(
         f"training: {_count(num_processes, 'process', 'processes')}{threads} x batch {config.batch_size} = "
         f"{global_batch} images per step{update_text}; {_count(config.epochs, 'epoch')} of {_count(batches_per_epoch, 'step')} "
         f"({_count(updates, 'update')} each)",
+        *cost_lines(config, splits, model, num_processes, batches_per_epoch, device, cost),
         f"run directory: {run_dir}",
-    ] + warmup_notice(config)
+    ] + warmup_notice(config) + (cpu_warning(config, model, batches_per_epoch, cost) if device.type == "cpu" else [])
 
 
 def warmup_notice(config: TrainConfig) -> list[str]:
