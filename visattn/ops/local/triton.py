@@ -39,6 +39,7 @@ if HAS_TRITON:
     from visattn.ops.local import triton_kernels as kernels
 
 OP = "triton_local_attn"
+LOG2E = 1 / math.log(2)  # the kernels' softmax runs in base 2
 
 
 class TileConfig(NamedTuple):
@@ -58,11 +59,16 @@ class TileConfig(NamedTuple):
 INTERPRETED_CONFIGS = {name: TileConfig(8, 8, 8, 8) for name in ("window_forward_kernel", "window_dq_kernel",
                                                                    "window_dkdv_kernel")}
 # Autotuned on a GPU, unless TUNED_CONFIGS holds the choice. 8 x 8 query tiles meet a 7 x 7 window's 14 x 14
-# region in four 8 x 8 key tiles (or 4 x 16), 8 x 16 ones halve the programs for wide grids.
-AUTOTUNE_CONFIGS = (
-    TileConfig(8, 8, 8, 8, 4, 2), TileConfig(8, 8, 4, 16, 4, 2), TileConfig(8, 8, 8, 8, 4, 3),
-    TileConfig(8, 16, 8, 16, 8, 2), TileConfig(16, 8, 8, 16, 8, 2), TileConfig(8, 16, 4, 16, 4, 2),
-)
+# region in four 8 x 8 key tiles (or 4 x 16). 128-cell tiles halve the programs but, compiled for sm_90 at
+# head dim 64, take 236 to 255 registers a thread and spill in the backward kernels.
+AUTOTUNE_CONFIGS = {
+    "window_forward_kernel": (
+        TileConfig(8, 8, 8, 8, 4, 2), TileConfig(8, 8, 4, 16, 4, 2), TileConfig(8, 8, 8, 8, 4, 3),
+        TileConfig(8, 16, 8, 16, 8, 2), TileConfig(16, 8, 8, 16, 8, 2),
+    ),
+    "window_dq_kernel": (TileConfig(8, 8, 8, 8, 4, 2), TileConfig(8, 8, 4, 16, 4, 2), TileConfig(8, 8, 8, 8, 8, 2)),
+    "window_dkdv_kernel": (TileConfig(8, 8, 8, 8, 4, 2), TileConfig(4, 16, 8, 8, 4, 2), TileConfig(8, 8, 8, 8, 8, 2)),
+}
 # (kernel name, BLOCK_D, dtype name) -> the configuration a GPU's autotuning chose (:func:`autotuned_configs`),
 # so that no later run spends time autotuning. Filled in from GPU runs.
 TUNED_CONFIGS: dict[tuple[str, int, str], TileConfig] = {}
@@ -78,13 +84,13 @@ if HAS_TRITON and not INTERPRETED:
             [
                 triton.Config({"QH": c.qh, "QW": c.qw, "KH": c.kh, "KW": c.kw}, num_warps=c.num_warps,
                               num_stages=c.num_stages)
-                for c in AUTOTUNE_CONFIGS
+                for c in AUTOTUNE_CONFIGS[name]
             ],
             key=AUTOTUNE_KEY,
             # the dq kernel's shares of the prefix keys' gradients are summed over the largest tile count
             reset_to_zero=["dk_part_ptr", "dv_part_ptr"] if name == "window_dq_kernel" else None,
         )(getattr(kernels, name))
-        for name in INTERPRETED_CONFIGS
+        for name in AUTOTUNE_CONFIGS
     }
 
 
@@ -93,7 +99,7 @@ def _launch(name: str, block_d: int, dtype: torch.dtype):
     interpreted, the table's entry if any, else the autotuned kernel's candidates (it picks one itself)."""
     config = INTERPRETED_CONFIGS[name] if INTERPRETED else TUNED_CONFIGS.get((name, block_d, _dtype_name(dtype)))
     if config is None:
-        return wrap_triton(_AUTOTUNED[name]), {}, AUTOTUNE_CONFIGS
+        return wrap_triton(_AUTOTUNED[name]), {}, AUTOTUNE_CONFIGS[name]
     if min(config.qh * config.qw, config.kh * config.kw) < 16:
         raise ValueError(f"{OP}: {name}'s tiles {config} need at least 16 cells each (tl.dot)")
     launch = {"QH": config.qh, "QW": config.qw, "KH": config.kh, "KW": config.kw, "num_warps": config.num_warps,
@@ -139,7 +145,7 @@ def _window_args(q, k, v, grid, row_window, col_window, num_prefix_tokens, scale
     """The arguments the window kernels share after their pointers and strides, and their constexprs."""
     heads, n, d, d_v = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
     (row_a, row_c, row_block), (col_a, col_c, col_block) = row_window, col_window
-    common = (heads, n, *grid, num_prefix_tokens, row_a, row_c, col_a, col_c, scale * kernels.LOG2E)
+    common = (heads, n, *grid, num_prefix_tokens, row_a, row_c, col_a, col_c, scale * LOG2E)
     flags = {"DIM": d, "DIM_V": d_v, "BLOCK_D": _block_d(d), "BLOCK_DV": _block_d(d_v), "ROW_BLOCK": row_block,
              "COL_BLOCK": col_block, "BLOCK_P": min(_block_d(num_prefix_tokens), MAX_BLOCK_P),
              "UPCAST": INTERPRETED, "PRECISION": _precision(q.dtype)}
@@ -177,7 +183,7 @@ def _prefix_launch(q, k, v, grad, lse, delta, parts, num_prefix_tokens, scale, f
     programs = (triton.cdiv(n, PREFIX_SEGMENT), triton.cdiv(num_prefix_tokens, flags["BLOCK_P"]), b * heads)
     wrap_triton(kernels.prefix_rows_kernel)[programs](
         q, k, v, grad, lse, delta, *parts, *q.stride(), *k.stride(), *v.stride(), *grad.stride(), heads, n,
-        num_prefix_tokens, scale * kernels.LOG2E, BLOCK_N=PREFIX_BLOCK_N, SEGMENT=PREFIX_SEGMENT, BACKWARD=backward,
+        num_prefix_tokens, scale * LOG2E, BLOCK_N=PREFIX_BLOCK_N, SEGMENT=PREFIX_SEGMENT, BACKWARD=backward,
         **shared,
     )
 

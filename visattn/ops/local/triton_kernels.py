@@ -24,9 +24,10 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    LOG2E = 1.4426950408889634
+    # (globals a kernel reads must be constexpr)
+    LOG2E = tl.constexpr(1.4426950408889634)
     # the running maximum starts finite: a row whose first key tiles are all masked then keeps weight 0
-    NO_SCORE = -1.0e30
+    NO_SCORE = tl.constexpr(-1.0e30)
 
     @triton.jit
     def _window(i, L, a, c, BLOCK: tl.constexpr):
