@@ -1,8 +1,9 @@
 """The documentation's generated parts: an mkdocs hook, and the command that writes them into the pages.
 
-Three kinds of content are generated rather than written by hand: the configuration reference's table (from
-TrainConfig's fields), the home page's tables (the README's sections of the same names) and the results index
-(from the Topic and Status lines that open every results page). Each is committed between two markers,
+Four kinds of content are generated rather than written by hand: the configuration reference's table (from
+TrainConfig's fields), the home page's tables (the README's sections of the same names), the results index (from the
+Topic and Status lines that open every results page) and the Attention types page's table of pictures (from
+scripts/draw_masks.py's PICTURES, with the call that draws each). Each is committed between two markers,
 
     <!-- generated: NAME (scripts/docs_hooks.py) -->
     ...
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from visattn.train.config import TrainConfig
 
@@ -61,7 +64,8 @@ def readme_section(readme: str, name: str) -> str:
     ``docs/...`` made relative to docs/; ValueError if there is no such section."""
     match = re.search(rf"<!-- section: {name} -->\n(.*?)<!-- end section: {name} -->", readme, flags=re.S)
     if match is None:
-        raise ValueError(f"README.md has no section {name!r} (<!-- section: {name} --> ... <!-- end section: {name} -->)")
+        raise ValueError(f"README.md has no section {name!r} "
+                         f"(<!-- section: {name} --> ... <!-- end section: {name} -->)")
     return match.group(1).replace("](docs/", "](")
 
 
@@ -73,6 +77,7 @@ class ResultsPage:
     name: str  # file name, docs/results/<date>-<slug>.md
     title: str
     topic: str
+    status: str  # "current", or "superseded by" and links
     successors: tuple[str, ...]  # file names of the pages that superseded it; empty when current
     machine: str
     files: str
@@ -98,18 +103,16 @@ def read_results_page(path: Path) -> ResultsPage:
         raise ValueError(f"{path.name}: its title must be followed by a blank line, `- **Topic:** ...` and "
                          "`- **Status:** current` or `- **Status:** superseded by [...](<page>.md) ...`")
     status = _field(text, "Status")
-    if status == "current":
-        successors: tuple[str, ...] = ()
-    elif status.startswith("superseded by ["):
+    successors: tuple[str, ...] = ()
+    if status.startswith("superseded by ["):
         successors = tuple(dict.fromkeys(re.findall(r"\]\((\d{4}-\d\d-\d\d-[\w-]+\.md)\)", status)))
-    else:
-        successors = ()
     if status != "current" and not successors:
-        raise ValueError(f"{path.name}: Status must be `current` or `superseded by` links to results pages, got {status!r}")
+        raise ValueError(f"{path.name}: Status must be `current` or `superseded by` links to results pages, "
+                         f"got {status!r}")
     machine, files = _field(text, "Machine"), _field(text, "Files behind it")
     if machine is None or files is None:
         raise ValueError(f"{path.name}: needs a `- **Machine:**` and a `- **Files behind it:**` line")
-    return ResultsPage(path.name, lines[0][2:].strip(), _field(text, "Topic"), successors, machine, files)
+    return ResultsPage(path.name, lines[0][2:].strip(), _field(text, "Topic"), status, successors, machine, files)
 
 
 def results_pages(results_dir: Path) -> list[ResultsPage]:
@@ -149,11 +152,14 @@ def results_index(results_dir: Path) -> str:
     topics: dict[str, list[ResultsPage]] = {}
     for page in pages:
         topics.setdefault(page.topic, []).append(page)
-    order = sorted(topics, key=lambda topic: (-int(max(p.date for p in topics[topic]).replace("-", "")), topic))
+    def newest_first(date: str) -> int:
+        return -int(date.replace("-", ""))
+
+    order = sorted(topics, key=lambda topic: (newest_first(max(p.date for p in topics[topic])), topic))
     out = []
     for topic in order:
         out += [f"## {topic}", "", "| date | page | status | machine | files |", "|---|---|---|---|---|"]
-        rows = sorted(topics[topic], key=lambda p: (-int(p.date.replace("-", "")), _steps_to_current(p, by_name), p.name))
+        rows = sorted(topics[topic], key=lambda p: (newest_first(p.date), _steps_to_current(p, by_name), p.name))
         for page in rows:
             if page.successors:
                 status = "superseded by " + ", ".join(f"[{name[:-3]}]({name})" for name in page.successors)
@@ -165,13 +171,28 @@ def results_index(results_dir: Path) -> str:
     return "\n".join(out)
 
 
+# -- the pictures of the attention types -----------------------------------------------------------------------------
+def _script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` as the module ``name`` (scripts/ is no package), registered where its dataclasses look
+    their module up."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 # -- the generated parts ---------------------------------------------------------------------------------------------
+README_SECTIONS = ("which-type", "gpu", "results")
+
+
 def generators(docs: Path) -> dict[str, Callable[[], str]]:
     readme = (docs.parent / "README.md").read_text()
     return {
         "trainconfig-fields": config_table,
-        **{f"readme:{name}": (lambda name=name: readme_section(readme, name)) for name in ("which-type", "gpu", "results")},
+        **{f"readme:{name}": (lambda name=name: readme_section(readme, name)) for name in README_SECTIONS},
         "results-index": lambda: results_index(docs / "results"),
+        "mask-pictures": lambda: _script("draw_masks").caption_table(),
     }
 
 
@@ -200,7 +221,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write the documentation's generated parts into its pages.")
-    parser.add_argument("--check", action="store_true", help="only name the pages whose generated parts are out of date")
+    parser.add_argument("--check", action="store_true",
+                        help="only name the pages whose generated parts are out of date")
     args = parser.parse_args(argv)
     stale = [path for path in generated_pages() if refresh(path.read_text()) != path.read_text()]
     for path in stale:

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from tests.helpers import load_script
@@ -24,6 +25,7 @@ README = (REPO / "README.md").read_text()
 HOME = (DOCS / "index.md").read_text()
 RESULTS_INDEX = (DOCS / "results" / "index.md").read_text()
 HOOKS = load_script("docs_hooks")
+DRAW_MASKS = load_script("draw_masks")
 
 
 def _nav_pages(nav) -> list[str]:
@@ -121,15 +123,17 @@ def test_the_python_version_the_pages_name_is_the_packages():
 GENERATED_PAGES = HOOKS.generated_pages(DOCS)
 
 
-def test_the_generated_parts_are_the_config_table_the_readmes_tables_and_the_results_index():
+def test_the_generated_parts_are_the_config_table_the_readmes_tables_the_results_index_and_the_pictures():
     names = {match["name"] for page in GENERATED_PAGES for match in HOOKS.REGION.finditer(page.read_text())}
-    assert names == {"trainconfig-fields", "readme:which-type", "readme:gpu", "readme:results", "results-index"}
+    assert names == {"trainconfig-fields", "readme:which-type", "readme:gpu", "readme:results", "results-index",
+                     "mask-pictures"}
 
 
 @pytest.mark.parametrize("page", GENERATED_PAGES, ids=lambda page: str(page.relative_to(DOCS)))
 def test_every_generated_part_is_what_the_hook_generates_now(page):
     text = page.read_text()
-    assert HOOKS.refresh(text) == text, f"{page.relative_to(REPO)} is out of date: python scripts/docs_hooks.py rewrites it"
+    stale = f"{page.relative_to(REPO)} is out of date: python scripts/docs_hooks.py rewrites it"
+    assert HOOKS.refresh(text) == text, stale
 
 
 @pytest.mark.parametrize("page, edit", [
@@ -169,9 +173,13 @@ def test_the_changelog_page_links_the_changelog_and_the_site_shows_it_there():
 
 # -- the results pages and their index -------------------------------------------------------------------------------
 RESULT_PAGES = sorted(p.name for p in (DOCS / "results").glob("*.md") if p.name != "index.md")
-INDEX_ROWS = {row[1].split("](")[-1].rstrip(")"): row for row in _table_rows(RESULTS_INDEX) if re.match(r"\d{4}-", row[0])}
+# each row of the index by its page: date, page, status, machine, files
+INDEX_ROWS = {
+    row[1].split("](")[-1].rstrip(")"): row for row in _table_rows(RESULTS_INDEX) if re.match(r"\d{4}-", row[0])
+}
+# the pages listed under each topic's heading, in their order
 INDEX_TOPICS = {
-    topic: [row.split("](")[1].split(")")[0] for row in re.findall(r"^\| \d{4}-\d\d-\d\d \| (\[.*?\]\([\w-]+\.md\))", body, flags=re.M)]
+    topic: re.findall(r"^\| \d{4}-\d\d-\d\d \| \[.*?\]\(([\w-]+\.md)\)", body, flags=re.M)
     for topic, body in re.findall(r"^## (.+)\n((?:\n|\|.*\n)*)", RESULTS_INDEX, flags=re.M)
 }
 
@@ -185,15 +193,16 @@ def test_every_results_page_opens_with_its_topic_and_status(page):
     header = (DOCS / "results" / page).read_text().splitlines()[:4]
     assert header[2].startswith("- **Topic:** ") and header[3].startswith("- **Status:** "), header
     result = _page(page)
-    assert result.topic and (result.successors or HOOKS._field((DOCS / "results" / page).read_text(), "Status") == "current")
+    assert result.topic and (result.status == "current") != bool(result.successors)
 
 
 def test_a_page_without_its_opening_lines_is_refused(tmp_path):
     page = tmp_path / "2026-01-01-example.md"
-    page.write_text("# Example\n\n- **Date:** 2026-01-01\n- **Machine:** 2-core CPU\n- **Files behind it:** none kept\n")
+    rest = "- **Machine:** 2-core CPU\n- **Files behind it:** none kept\n"
+    page.write_text("# Example\n\n- **Date:** 2026-01-01\n" + rest)
     with pytest.raises(ValueError, match="Topic"):
         HOOKS.read_results_page(page)
-    page.write_text("# Example\n\n- **Topic:** x\n- **Status:** old\n- **Machine:** 2-core CPU\n- **Files behind it:** none kept\n")
+    page.write_text("# Example\n\n- **Topic:** x\n- **Status:** old\n" + rest)
     with pytest.raises(ValueError, match="Status must be"):
         HOOKS.read_results_page(page)
 
@@ -241,3 +250,44 @@ def test_the_results_index_says_which_pages_kept_their_files(page):
     kept = not files_line.startswith("none kept")
     assert INDEX_ROWS[page][4].startswith("none kept") != kept, page
     assert "no file behind" not in text  # a figure without its files is not published, not flagged
+
+
+# -- the pictures of the attention types -----------------------------------------------------------------------------
+def _keys(name: str) -> torch.Tensor:
+    """What the picture of ``name`` draws for its two queries, the prefix tokens first, one row per query."""
+    H, W = DRAW_MASKS.GRID
+    picture = DRAW_MASKS.PICTURES[name]
+    return torch.stack([picture.keys(row * W + col) for row, col in ((H // 2, W // 2 - 2), (1, W - 2))])
+
+
+def test_every_type_has_a_picture_of_its_own():
+    pictures = {path.stem: path.read_bytes() for path in (DOCS / "img" / "masks").glob("*.png")}
+    assert set(pictures) == set(DRAW_MASKS.PICTURES)
+    assert len(set(pictures.values())) == len(pictures), "two pictures are the same file"
+
+
+def test_no_two_types_are_drawn_alike():
+    drawn = {name: _keys(name) for name in DRAW_MASKS.PICTURES}
+    for first in drawn:
+        for second in drawn:
+            if first < second:
+                alike = drawn[first].shape == drawn[second].shape and torch.equal(drawn[first], drawn[second])
+                assert not alike, f"{first} and {second} are drawn alike"
+
+
+def test_the_pictures_show_the_prefix_tokens_each_type_reads():
+    prefix, grid = DRAW_MASKS.PREFIX, DRAW_MASKS.GRID
+    read = {name: bool(_keys(name)[:, :prefix].gt(0).all()) for name in DRAW_MASKS.PICTURES}
+    assert read == {"softmax": True, "linear": True, "linear-decay": True, "neighborhood": False, "sparse": False,
+                    "longformer": True, "linformer": True, "axial": True, "floor": False}
+    global_tokens = DRAW_MASKS.PICTURES["longformer"].prefix
+    assert global_tokens > prefix and _keys("longformer").shape[1] == global_tokens + grid[0] * grid[1]
+    assert _keys("longformer")[:, :global_tokens].eq(1).all()
+
+
+def test_linear_is_drawn_as_every_key_with_its_locality_term_on_top():
+    keys = _keys("linear")[0, DRAW_MASKS.PREFIX:].view(DRAW_MASKS.GRID)
+    row, col = DRAW_MASKS.GRID[0] // 2, DRAW_MASKS.GRID[1] // 2 - 2
+    darker = keys.eq(1).nonzero().tolist()
+    assert sorted(darker) == sorted([[r, c] for r in range(row - 1, row + 2) for c in range(col - 1, col + 2)])
+    assert keys.gt(0).all()
