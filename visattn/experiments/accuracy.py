@@ -81,7 +81,15 @@ from visattn.train import ConfigError
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """(the table's arguments, checked and parsed into rows, stages and variants; the train.py flags after --)."""
     own, train_args = split_at_separator(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(stage_values_joined(own))
+    check_args(parser, args, train_args)
+    return args, train_args
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m visattn.experiments.accuracy", description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
@@ -112,13 +120,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help="train the grid on each of these variants of the data: names of visattn/experiments/variants.py, or "
              "tuning / held-out (all of that group); runs in <run-root>/<variant>/<row>/seed<k>",
     )
-    # A stage is one word that starts with "--": joined to its flag, argparse takes it as the flag's value
-    # even without a space in it ("--stage --epochs=4").
-    pending, own = own, []
+    return parser
+
+
+def stage_values_joined(own: list[str]) -> list[str]:
+    """``own`` with each ``--stage`` joined to its value: a stage is one word that starts with "--", which argparse
+    takes as the flag's value only when joined to it, even without a space in it ("--stage --epochs=4")."""
+    pending, joined = list(own), []
     while pending:
         word = pending.pop(0)
-        own.append(f"--stage={pending.pop(0)}" if word == "--stage" and pending else word)
-    args = parser.parse_args(own)
+        joined.append(f"--stage={pending.pop(0)}" if word == "--stage" and pending else word)
+    return joined
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, train_args: list[str]) -> None:
+    """The parser's error for a value out of range or flags that cannot go together; ``args`` given ``rows``,
+    ``stage_flags`` and its ``variants`` parsed."""
     check_grid_arguments(parser, args)
     try:
         args.rows = parse_rows(args.attn or [TIMM_ATTENTION, *visattn.list_attentions()])
@@ -148,7 +165,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                 parser.error(f"{where}: --dataset-kwargs is set by --variants in every stage; leave it out")
     if not args.output.endswith(".md"):
         parser.error(f"--output: a markdown file name ending in .md, got {args.output!r}")
-    return args, train_args
 
 
 def grid(args: argparse.Namespace, train_args: list[str]) -> Grid:

@@ -133,14 +133,31 @@ def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object],
     are ("not run")."""
     every_run = all_runs(runs)
     if not train:
-        for run in every_run:
-            if choose_action(run, retrain=False)[0] == "reuse":
-                read_run(run)
-        finished = sum(run.status == "finished" for run in every_run)
-        print(f"{len(every_run)} runs: {finished} finished, {len(every_run) - finished} not (--tables-only: none "
-              "trained)", flush=True)
-        write_tables()
+        tables_of_finished_runs(every_run, write_tables)
         return
+    choose_actions(every_run, retrain)
+    todo = [run for run in every_run if run.action != "reuse"]
+    at_a_time = f", {jobs} at a time" if jobs > 1 else ""
+    print(f"{len(every_run)} runs: {len(every_run) - len(todo)} finished before, {len(todo)} to train "
+          f"({sum(run.action == 'resume' for run in todo)} resumed){at_a_time}", flush=True)
+    train_in_order(every_run, todo, jobs, write_tables)
+
+
+def tables_of_finished_runs(every_run: list[Run], write_tables: Callable[[], object]) -> None:
+    """``--tables-only``: the runs that finished before read, none trained, a line saying how many, the tables."""
+    for run in every_run:
+        if choose_action(run, retrain=False)[0] == "reuse":
+            read_run(run)
+    finished = sum(run.status == "finished" for run in every_run)
+    print(f"{len(every_run)} runs: {finished} finished, {len(every_run) - finished} not (--tables-only: none "
+          "trained)", flush=True)
+    write_tables()
+
+
+def choose_actions(every_run: list[Run], retrain: bool) -> None:
+    """Every run's ``action`` (:func:`choose_action`), a stage trained afresh where the stage it starts from is
+    trained or where its finished parent lacks the weights it starts from; the reused runs read, and a line for
+    each run trained afresh that is not new, saying why."""
     reasons = {}
     for run in every_run:
         run.action, reasons[id(run)] = choose_action(run, retrain)
@@ -159,10 +176,11 @@ def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object],
             read_run(run)
         elif run.action == "train" and reasons[id(run)] != "new":
             print(f"{run_name(run)}: trained afresh: {reasons[id(run)]}", flush=True)
-    todo = [run for run in every_run if run.action != "reuse"]
-    at_a_time = f", {jobs} at a time" if jobs > 1 else ""
-    print(f"{len(every_run)} runs: {len(every_run) - len(todo)} finished before, {len(todo)} to train "
-          f"({sum(run.action == 'resume' for run in todo)} resumed){at_a_time}", flush=True)
+
+
+def train_in_order(every_run: list[Run], todo: list[Run], jobs: int, write_tables: Callable[[], object]) -> None:
+    """The runs of ``todo``, ``jobs`` at a time, each once its earlier stages have ended (one whose earlier stage
+    failed is not started), with a line as each starts and ends and ``write_tables()`` after each."""
     number = {id(run): count for count, run in enumerate(todo, start=1)}
     pending, running = list(todo), {}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -191,18 +209,23 @@ def run_grid(runs: list[Run], retrain: bool, write_tables: Callable[[], object],
             ended, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in ended:
                 run = running.pop(future)
-                if future.exception() is not None:  # train.py could not be started: its log, say, not writable
-                    run.status = "failed"
-                    outcome = f"failed: {future.exception()}"
-                elif run.status == "finished":
-                    outcome = f"{100 * run.summary['test_acc']:.2f}%"
-                else:
-                    outcome = f"{run.status}, see {run.log}"
+                outcome = ended_outcome(run, future)
                 took = f" in {duration(run.seconds)}" if run.seconds is not None else ""
                 eta, left = eta_seconds(every_run, jobs), len(pending) + len(running)
                 after = f"; {left} left: about {duration(eta)}" if left and eta is not None else ""
                 print(f"[{number[id(run)]}/{len(todo)}] {run_name(run)}: {outcome}{took}{after}", flush=True)
                 write_tables()
+
+
+def ended_outcome(run: Run, future: Future) -> str:
+    """What the line of an ended run says of it: its test accuracy, else its status and log; a run whose
+    train.py could not be started (its log not writable, say) is marked failed here."""
+    if future.exception() is not None:
+        run.status = "failed"
+        return f"failed: {future.exception()}"
+    if run.status == "finished":
+        return f"{100 * run.summary['test_acc']:.2f}%"
+    return f"{run.status}, see {run.log}"
 
 
 def start(pool: ThreadPoolExecutor, run: Run, jobs: int) -> Future:
