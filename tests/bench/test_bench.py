@@ -458,13 +458,14 @@ class _UnnormalizedLinear(GridAttention):
         return q @ (k.transpose(-2, -1) @ v)  # (B, heads, N, d)
 
     @classmethod
-    def mixing_flops(cls, layout, num_heads, head_dim, options):
-        return 4 * layout.num_tokens * num_heads * head_dim**2  # K^T V and Q (K^T V): 2 N d^2 each, per head
+    def mixing_flops(cls, case):
+        # K^T V and Q (K^T V): 2 N d^2 each, per head
+        return 4 * case.layout.num_tokens * case.num_heads * case.head_dim**2
 
     @classmethod
-    def mixing_memory(cls, layout, num_heads, head_dim, options, act_bytes):
-        n, c = layout.num_tokens, num_heads * head_dim
-        return MixingMemory(infer=n * c * act_bytes, train=3 * n * c * act_bytes)
+    def mixing_memory(cls, case):
+        n, c = case.layout.num_tokens, case.num_heads * case.head_dim
+        return MixingMemory(infer=n * c * case.act_bytes, train=3 * n * c * case.act_bytes)
 
 
 class _Costless(GridAttention):

@@ -18,7 +18,7 @@ from visattn.bench.runners import build_runner
 from visattn.bench.sweep import DTYPES, FLOOR, Case, Result
 from visattn.bench.trial import cap_memory, run_trial
 from visattn.layers import get_attention, list_attentions
-from visattn.layers.cost import TokenLayout
+from visattn.layers.cost import CostCase, TokenLayout
 from visattn.models import auto
 
 TINY_MODEL = ["--model-kwargs", "embed_dim=32", "depth=1", "num_heads=2", "--num-classes", "10"]
@@ -190,7 +190,7 @@ def _mixing_flops(grid: tuple[int, int]) -> dict[str, int]:
         options = get_attention(name).type_options()
         if "ref_grid" in options:
             options["ref_grid"] = grid
-        flops[name] = get_attention(name).mixing_flops(TokenLayout(grid, 1), 6, 64, options)
+        flops[name] = get_attention(name).mixing_flops(CostCase(TokenLayout(grid, 1), 6, 64, options))
     return flops
 
 

@@ -10,13 +10,13 @@ import torch
 import visattn
 from tests.helpers import assert_rms_close
 from tests.bench.test_bench import _counted_flops, _tiny_model
-from visattn import ops
 from visattn.bench.flops import ViTShape, estimate_memory, vit_flops
 from visattn.bench.sweep_cli import parse_args as parse_bench_args
 from visattn.layers import attention_options, get_attention
-from visattn.layers.cost import TokenLayout
+from visattn.layers.cost import CostCase, TokenLayout
 from visattn.layers.decay import initial_decay_rates
 from visattn.ops.layout import merge_heads, split_qkv
+from visattn.ops.linear.naive_decay import naive_decayed_linear_attn
 from visattn.train.cli import resolve_config
 
 DIM, HEADS = 24, 3  # head width 8: rope turns pairs of channels on two axes
@@ -31,7 +31,7 @@ def _naive_twin_output(layer, x, grid, prefix):
     twin = copy.deepcopy(layer).double()
     q, k, v = split_qkv(twin.qkv(x.double()), HEADS)
     rope = None if twin.rope is None else twin.rope(grid, prefix, q)
-    out = ops.naive_decayed_linear_attn(q, k, v, twin.spatial_decay(), grid, prefix, rope=rope)
+    out = naive_decayed_linear_attn(q, k, v, twin.spatial_decay(), grid, prefix, rope=rope)
     merged = merge_heads(out)
     if twin.dwconv is not None:
         image = merge_heads(v)[:, prefix:].transpose(1, 2).reshape(x.shape[0], DIM, *grid)
@@ -136,8 +136,10 @@ def test_model_flops_match_flop_counter():
 def test_memory_estimate_grows_linearly_in_tokens():
     layer = get_attention("linear")
     options = layer.type_options() | {"decay": True}
-    small, large = (layer.mixing_memory(TokenLayout(g, 1), 6, 64, options, 4) for g in ((32, 32), (64, 64)))
-    plain = layer.mixing_memory(TokenLayout((64, 64), 1), 6, 64, layer.type_options(), 4)
+    small, large = (
+        layer.mixing_memory(CostCase(TokenLayout(g, 1), 6, 64, options, 4)) for g in ((32, 32), (64, 64))
+    )
+    plain = layer.mixing_memory(CostCase(TokenLayout((64, 64), 1), 6, 64, layer.type_options(), 4))
     assert large.infer > plain.infer and large.train > plain.train
     assert large.train / small.train == pytest.approx(4, rel=0.01) and large.infer / small.infer < 4
     shape = ViTShape(64, 2, 2, 256, (16, 16), 3, 1, 10)
