@@ -200,47 +200,83 @@ def _backward(
     q, k, v, state = saved
     dq, dk, dv = grads
     batch, heads, n, e = v.shape
-    d = q.shape[-1]
-    grad_state = torch.zeros_like(state)
     inverse = None if rope is None else inverse_rope(rope)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        blocks = TokenBlocks(batch, heads, n, max(d, e + 1), q.device)
-        for block in blocks:
-            images, tokens = block.images, block.tokens
-            phi_q = blocks.feature_map(phi, q[images, :, tokens], block)
-            num, den, turned_q = numerator_and_normalizer(blocks, block, phi_q, state, rope)
-            live = den >= eps
-            den.clamp_min_(eps)
-            grad_ext = blocks.buffer("grad_ext", block, e + 1)
-            torch.div(grad_out[images, :, tokens], den, out=grad_ext[..., :e])
-            c = torch.linalg.vecdot(grad_ext[..., :e], num).unsqueeze(-1)  # g . num / den
-            torch.div(c, den, out=grad_ext[..., e:]).neg_().mul_(live)
-            if rope is None:
-                grad_state[images] += phi_q.transpose(-2, -1) @ grad_ext
-                grad_phi_q = torch.matmul(
-                    grad_ext, state[images].transpose(-2, -1), out=blocks.buffer("scratch", block, d)
-                )
-            else:
-                grad_state[images, ..., :e] += turned_q.transpose(-2, -1) @ grad_ext[..., :e]
-                grad_state[images, ..., e:] += phi_q.transpose(-2, -1) @ grad_ext[..., e:]
-                grad_turned_q = grad_ext[..., :e] @ state[images, ..., :e].transpose(-2, -1)
-                grad_phi_q = apply_rope(grad_turned_q, block_rope(inverse, block))
-                grad_phi_q += grad_ext[..., e:] @ state[images, ..., e:].transpose(-2, -1)
-            torch.mul(grad_phi_q, phi.derivative_(phi_q), out=dq[images, :, tokens])
-        grad_state_t = grad_state.transpose(-2, -1)
-        for block in blocks:
-            images, tokens = block.images, block.tokens
-            phi_k = blocks.feature_map(phi, k[images, :, tokens], block)
-            v_ext = blocks.with_ones(v[images, :, tokens], block)
-            if rope is None:
-                grad_v = torch.matmul(phi_k, grad_state[images, ..., :e], out=blocks.buffer("grad_ext", block, e))
-                grad_phi_k = torch.matmul(v_ext, grad_state_t[images], out=blocks.buffer("scratch", block, d))
-            else:
-                grad_v = apply_rope(phi_k, block_rope(rope, block)) @ grad_state[images, ..., :e]
-                grad_phi_k = apply_rope(v_ext[..., :e] @ grad_state_t[images, ..., :e, :], block_rope(inverse, block))
-                grad_phi_k += grad_state_t[images, ..., e:, :]  # the normalizer's dz, the same for every key
-            dv[images, :, tokens] = grad_v
-            torch.mul(grad_phi_k, phi.derivative_(phi_k), out=dk[images, :, tokens])
+        blocks = TokenBlocks(batch, heads, n, max(q.shape[-1], e + 1), q.device)
+        grad_state = _query_gradients(blocks, q, state, grad_out, phi, eps, dq, rope, inverse)
+        _key_value_gradients(blocks, k, v, grad_state, phi, dk, dv, rope, inverse)
+
+
+def _query_gradients(
+    blocks: TokenBlocks,
+    q: torch.Tensor,
+    state: torch.Tensor,
+    grad_out: torch.Tensor,
+    phi: FeatureMap,
+    eps: float,
+    dq: torch.Tensor,
+    rope: torch.Tensor | None,
+    inverse: torch.Tensor | None,
+) -> torch.Tensor:
+    """The first pass of :func:`_backward`, block by block of queries: writes dq and returns d[S, z]
+    (B, h, d, e + 1), fp32. ``inverse``: the rope table's inverse turns, or None."""
+    e = state.shape[-1] - 1
+    d = q.shape[-1]
+    grad_state = torch.zeros_like(state)
+    for block in blocks:
+        images, tokens = block.images, block.tokens
+        phi_q = blocks.feature_map(phi, q[images, :, tokens], block)
+        num, den, turned_q = numerator_and_normalizer(blocks, block, phi_q, state, rope)
+        live = den >= eps
+        den.clamp_min_(eps)
+        grad_ext = blocks.buffer("grad_ext", block, e + 1)
+        torch.div(grad_out[images, :, tokens], den, out=grad_ext[..., :e])
+        c = torch.linalg.vecdot(grad_ext[..., :e], num).unsqueeze(-1)  # g . num / den
+        torch.div(c, den, out=grad_ext[..., e:]).neg_().mul_(live)
+        if rope is None:
+            grad_state[images] += phi_q.transpose(-2, -1) @ grad_ext
+            grad_phi_q = torch.matmul(
+                grad_ext, state[images].transpose(-2, -1), out=blocks.buffer("scratch", block, d)
+            )
+        else:
+            grad_state[images, ..., :e] += turned_q.transpose(-2, -1) @ grad_ext[..., :e]
+            grad_state[images, ..., e:] += phi_q.transpose(-2, -1) @ grad_ext[..., e:]
+            grad_turned_q = grad_ext[..., :e] @ state[images, ..., :e].transpose(-2, -1)
+            grad_phi_q = apply_rope(grad_turned_q, block_rope(inverse, block))
+            grad_phi_q += grad_ext[..., e:] @ state[images, ..., e:].transpose(-2, -1)
+        torch.mul(grad_phi_q, phi.derivative_(phi_q), out=dq[images, :, tokens])
+    return grad_state
+
+
+def _key_value_gradients(
+    blocks: TokenBlocks,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_state: torch.Tensor,
+    phi: FeatureMap,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    rope: torch.Tensor | None,
+    inverse: torch.Tensor | None,
+) -> None:
+    """The second pass of :func:`_backward`, block by block of keys and values: writes dk and dv from
+    d[S, z] (B, h, d, e + 1)."""
+    e = v.shape[-1]
+    d = k.shape[-1]
+    grad_state_t = grad_state.transpose(-2, -1)
+    for block in blocks:
+        images, tokens = block.images, block.tokens
+        phi_k = blocks.feature_map(phi, k[images, :, tokens], block)
+        v_ext = blocks.with_ones(v[images, :, tokens], block)
+        if rope is None:
+            grad_v = torch.matmul(phi_k, grad_state[images, ..., :e], out=blocks.buffer("grad_ext", block, e))
+            grad_phi_k = torch.matmul(v_ext, grad_state_t[images], out=blocks.buffer("scratch", block, d))
+        else:
+            grad_v = apply_rope(phi_k, block_rope(rope, block)) @ grad_state[images, ..., :e]
+            grad_phi_k = apply_rope(v_ext[..., :e] @ grad_state_t[images, ..., :e, :], block_rope(inverse, block))
+            grad_phi_k += grad_state_t[images, ..., e:, :]  # the normalizer's dz, the same for every key
+        dv[images, :, tokens] = grad_v
+        torch.mul(grad_phi_k, phi.derivative_(phi_k), out=dk[images, :, tokens])
 
 
 class _BlockedLinearAttention(torch.autograd.Function):

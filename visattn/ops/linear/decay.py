@@ -308,20 +308,37 @@ def decayed_linear_attn(
     single_tile = height <= tile_size and width <= tile_size
     name = select_backend("decayed_linear", backend, lambda: choose_decayed_linear_backend(single_tile))
     product = _DecayedProduct.apply if name == "rerun" else decayed_product
+
+    def sums(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+        return _decayed_sums(a, b, c, gammas, height, num_prefix_tokens, tile_size, product)
+
+    return _decayed_attention(q, k, v, gamma, phi, eps, rope, sums)
+
+
+def _decayed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gamma: torch.Tensor,
+    phi: Callable[[torch.Tensor], torch.Tensor],
+    eps: float,
+    rope: torch.Tensor | None,
+    sums: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """The numerator and the normalizer as decayed sums over the grid (``sums(a, b, c, gammas)``: ``sum_j
+    D_ij (a_i . b_j) c_j``), in fp32 (fp64 for fp64 inputs) with autocast off, and their quotient in v's
+    dtype: one product of width d + 1 without rope; with it, the turned features' product on v and the
+    unturned ones' of width 1."""
     dtype = torch.promote_types(v.dtype, torch.float32)
     with torch.autocast(device_type=q.device.type, enabled=False):
         qf, kf, vf = phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype)
         gammas = gamma.to(dtype).repeat(q.shape[0])  # (B heads,): the rate of each (image, head)
-
-        def sums(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-            return _decayed_sums(a, b, c, gammas, height, num_prefix_tokens, tile_size, product)
-
         if rope is None:
-            num_den = sums(qf, kf, with_ones_column(vf))
+            num_den = sums(qf, kf, with_ones_column(vf), gammas)
         else:
             rope = rope.to(dtype)
-            numerator = sums(apply_rope(qf, rope), apply_rope(kf, rope), vf)
-            num_den = torch.cat([numerator, sums(qf, kf, vf.new_ones(*vf.shape[:-1], 1))], dim=-1)
+            numerator = sums(apply_rope(qf, rope), apply_rope(kf, rope), vf, gammas)
+            num_den = torch.cat([numerator, sums(qf, kf, vf.new_ones(*vf.shape[:-1], 1), gammas)], dim=-1)
         out = divide_by_last_column(num_den, eps)
     return out.to(v.dtype)
 
