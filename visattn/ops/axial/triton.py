@@ -1,0 +1,661 @@
+"""Axial attention as Triton kernels that read q, k and v in place from strided views of the qkv
+projection ((B, N, 3 C) viewed (B, N, 3, heads, d)) and write the output token-major: no prefix
+concatenation, no row or column copy, no scatter of the output.
+
+One program owns one line (a row in the row hop, a column in the column hop) of one image and head: it
+loads the line's keys and values (at most 256 tokens) and the prefix keys and values as two tiles, then
+walks the line's queries in blocks of ``BLOCK_Q``; the softmax over [prefix keys, line keys] is exact in
+one step (both tiles are whole), with fp32 sums and a base-2 log-sum-exp kept for the backward.
+
+Forward (grid (B * heads, lines) for each hop):
+
+1. rows: the row hop's output is written into ``v_rows`` (B, heads, N, d), token-major, whose prefix
+   tokens take v's (the column hop's values, as in :func:`visattn.ops.axial.naive.naive_axial_attn`). Each row
+   program also attends the prefix queries to its row's keys and leaves a partial output and
+   log-sum-exp per row;
+2. columns: the column hop over the keys of the column plus the prefix keys, values ``v_rows``,
+   written into the output's patch tokens;
+3. prefix queries (grid (B * heads,)): their attention to the prefix keys, merged with the rows'
+   partials by log-sum-exp in row order.
+
+Backward (flash style: scores recomputed from the saved log-sum-exps; saved: q, k, v, ``v_rows``, the
+output and the fp32 log-sum-exps): the column hop first (dq, dk of the patches; the gradient of
+``v_rows``, which is the row hop's output gradient, and its row sums with ``v_rows``), then the rows
+(adding their dq, dk; dv of the patches; the prefix queries' share of the row keys' gradients), then
+the prefix tokens (summing every line's partial gradients of the prefix keys and values, and the rows'
+partial gradients of the prefix queries, in a fixed order). No atomics: every value is written by one
+program, so the result is deterministic.
+"""
+from __future__ import annotations
+
+import torch
+
+from visattn.ops.layout import split_heads, split_qkv, token_major_empty
+from visattn.ops.triton_support import HAS_TRITON, INTERPRETED, check_triton_runs_on
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from torch.library import wrap_triton
+
+MAX_LINE = 256  # longest row or column (and most prefix tokens, largest head dim) one program holds
+LOG2E = 1.4426950408889634
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# (kernel, BLOCK_L, BLOCK_D, dtype) -> (BLOCK_Q, num_warps, num_stages), measured on a GPU with
+# :func:`autotuned_configs`; a launch finds its configuration here before it would autotune.
+TUNED_CONFIGS: dict[tuple[str, int, int, str], tuple[int, int, int]] = {}
+INTERPRETED_CONFIG = (16, 4, 1)  # 16-query blocks, so that the tests walk several blocks per line
+# (BLOCK_Q, num_warps, num_stages); compiled for sm_90 at BLOCK_L 128, d 64, bf16, the backward spills
+# fewest registers with 16-query blocks on 8 warps, the forward none with 64 or 128 on 8 warps
+AUTOTUNE_CONFIGS = ((16, 4, 2), (16, 8, 1), (32, 8, 1), (64, 4, 2), (64, 8, 2), (128, 8, 1))
+Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Tensors5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _load(ptr, tokens, mask_t, offs_d, mask_d, s_n, s_d, LOW_PRECISION: tl.constexpr = False):
+        """The (tokens, BLOCK_D) tile of a (N, d) slice, zero where masked: in fp32, or with
+        LOW_PRECISION in its own dtype (fp16/bf16 on a GPU: a tile that only enters tl.dot takes half
+        the registers)."""
+        ptrs = ptr + tokens[:, None] * s_n + offs_d[None, :] * s_d
+        tile = tl.load(ptrs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+        if not LOW_PRECISION:
+            tile = tile.to(tl.float32)
+        return tile
+
+    @triton.jit
+    def _store(ptr, tile, tokens, mask_t, offs_d, mask_d, s_n, s_d):
+        ptrs = ptr + tokens[:, None] * s_n + offs_d[None, :] * s_d
+        tl.store(ptrs, tile.to(ptr.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
+
+    @triton.jit
+    def _mm(a, b, like_ptr, LOW_PRECISION: tl.constexpr):
+        """a @ b summed in fp32; with LOW_PRECISION (fp16/bf16 inputs on a GPU) the operands in the
+        inputs' dtype, as the tensor cores take them; else in fp32 at full precision."""
+        if LOW_PRECISION:
+            result = tl.dot(a.to(like_ptr.dtype.element_ty), b.to(like_ptr.dtype.element_ty))
+        else:
+            result = tl.dot(a, b, input_precision="ieee")
+        return result
+
+    @triton.jit
+    def _scores(q, k, mask_k, scale_log2e, like_ptr, LOW_PRECISION: tl.constexpr):
+        """Scores q k^T times scale * log2(e) (base-2 softmax), -inf at masked keys."""
+        s = _mm(q, tl.trans(k), like_ptr, LOW_PRECISION) * scale_log2e
+        return tl.where(mask_k[None, :], s, float("-inf"))
+
+    @triton.jit
+    def _line_forward(
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
+        heads, length, p, num_lines, seq_step, elem_step, head_dim, scale_log2e,
+        HAS_PREFIX: tl.constexpr, ROWS: tl.constexpr, LOW_PRECISION: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """One line of one image and head: patch token ``p + line * seq_step + i * elem_step`` for
+        i < length (rows: seq_step W, elem_step 1; columns: 1, W). Queries q, keys k, values v (rows:
+        v; columns: the row hop's output). Writes out (rows: ``v_rows``, also its prefix values; columns:
+        the output) and lse (B * heads, H * W); rows also the prefix queries' partials over the row."""
+        # int64 offsets throughout: a batch of qkv projections can span more than 2**31 elements
+        bh, line = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        b, h = bh // heads, bh % heads
+        q_ptr += b * sq_b + h * sq_h
+        k_ptr += b * sk_b + h * sk_h
+        v_ptr += b * sv_b + h * sv_h
+        out_ptr += b * so_b + h * so_h
+        offs_l = tl.arange(0, BLOCK_L).to(tl.int64)
+        offs_p = tl.arange(0, BLOCK_P).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+        mask_l, mask_p, mask_d = offs_l < length, offs_p < p, offs_d < head_dim
+        patches_l = line * seq_step + offs_l * elem_step
+        k_line = _load(k_ptr, p + patches_l, mask_l, offs_d, mask_d, sk_n, sk_d, LOW_PRECISION)
+        v_line = _load(v_ptr, p + patches_l, mask_l, offs_d, mask_d, sv_n, sv_d, LOW_PRECISION)
+        if HAS_PREFIX:
+            k_pre = _load(k_ptr, offs_p, mask_p, offs_d, mask_d, sk_n, sk_d, LOW_PRECISION)
+            v_pre = _load(v_ptr, offs_p, mask_p, offs_d, mask_d, sv_n, sv_d, LOW_PRECISION)
+        for start in range(0, length, BLOCK_Q):
+            offs_q = start + tl.arange(0, BLOCK_Q).to(tl.int64)
+            mask_q = offs_q < length
+            patches_q = line * seq_step + offs_q * elem_step
+            q = _load(q_ptr, p + patches_q, mask_q, offs_d, mask_d, sq_n, sq_d, LOW_PRECISION)
+            s = _scores(q, k_line, mask_l, scale_log2e, q_ptr, LOW_PRECISION)
+            m = tl.max(s, axis=1)
+            if HAS_PREFIX:
+                s_pre = _scores(q, k_pre, mask_p, scale_log2e, q_ptr, LOW_PRECISION)
+                m = tl.maximum(m, tl.max(s_pre, axis=1))
+            probs = tl.exp2(s - m[:, None])
+            total = tl.sum(probs, axis=1)
+            acc = _mm(probs, v_line, v_ptr, LOW_PRECISION)
+            if HAS_PREFIX:
+                probs_pre = tl.exp2(s_pre - m[:, None])
+                total += tl.sum(probs_pre, axis=1)
+                acc += _mm(probs_pre, v_pre, v_ptr, LOW_PRECISION)
+            _store(out_ptr, acc / total[:, None], p + patches_q, mask_q, offs_d, mask_d, so_n, so_d)
+            tl.store(lse_ptr + bh * num_lines * length + patches_q, m + tl.log2(total), mask=mask_q)
+        if ROWS and HAS_PREFIX:
+            # v_rows keeps v at the prefix tokens (the first row writes them)
+            _store(out_ptr, v_pre, offs_p, mask_p & (line == 0), offs_d, mask_d, so_n, so_d)
+            _prefix_queries_over_row(
+                q_ptr, k_line, v_line, mask_l, offs_p, mask_p, offs_d, mask_d, sq_n, sq_d,
+                part_out_ptr + ((bh * num_lines + line) * p) * head_dim,
+                part_lse_ptr + (bh * num_lines + line) * p, head_dim, scale_log2e, v_ptr, LOW_PRECISION,
+            )
+
+    @triton.jit
+    def _prefix_queries_over_row(
+        q_ptr, k_line, v_line, mask_l, offs_p, mask_p, offs_d, mask_d, sq_n, sq_d,
+        part_out_ptr, part_lse_ptr, head_dim, scale_log2e, like_ptr, LOW_PRECISION: tl.constexpr,
+    ):
+        """The prefix queries' softmax over one row's keys: its normalised output (P, d) and base-2
+        log-sum-exp (P,), fp32, for :func:`_prefix_forward` to merge."""
+        q_pre = _load(q_ptr, offs_p, mask_p, offs_d, mask_d, sq_n, sq_d, LOW_PRECISION)
+        s = _scores(q_pre, k_line, mask_l, scale_log2e, q_ptr, LOW_PRECISION)
+        m = tl.max(s, axis=1)
+        probs = tl.exp2(s - m[:, None])
+        total = tl.sum(probs, axis=1)
+        out = _mm(probs, v_line, like_ptr, LOW_PRECISION) / total[:, None]
+        _store(part_out_ptr, out, offs_p, mask_p, offs_d, mask_d, head_dim, 1)
+        tl.store(part_lse_ptr + offs_p, m + tl.log2(total), mask=mask_p)
+
+    @triton.jit
+    def _prefix_forward(
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_pre_ptr, part_out_ptr, part_lse_ptr,
+        sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
+        heads, p, num_rows, head_dim, scale_log2e,
+        LOW_PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """The prefix queries of one image and head: softmax over the prefix keys, merged with every
+        row's partial (:func:`_prefix_queries_over_row`) by log-sum-exp, rows in order. Writes their
+        output tokens and their base-2 log-sum-exp (B * heads, P)."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // heads, bh % heads
+        offs_p, offs_d = tl.arange(0, BLOCK_P).to(tl.int64), tl.arange(0, BLOCK_D).to(tl.int64)
+        mask_p, mask_d = offs_p < p, offs_d < head_dim
+        q_pre = _load(q_ptr + b * sq_b + h * sq_h, offs_p, mask_p, offs_d, mask_d, sq_n, sq_d, LOW_PRECISION)
+        k_pre = _load(k_ptr + b * sk_b + h * sk_h, offs_p, mask_p, offs_d, mask_d, sk_n, sk_d, LOW_PRECISION)
+        v_pre = _load(v_ptr + b * sv_b + h * sv_h, offs_p, mask_p, offs_d, mask_d, sv_n, sv_d, LOW_PRECISION)
+        s = _scores(q_pre, k_pre, mask_p, scale_log2e, q_ptr, LOW_PRECISION)
+        m = tl.max(s, axis=1)
+        probs = tl.exp2(s - m[:, None])
+        total = tl.sum(probs, axis=1)
+        acc = _mm(probs, v_pre, v_ptr, LOW_PRECISION)
+        for row in range(0, num_rows):
+            part = (bh * num_rows + row) * p
+            part_lse = tl.load(part_lse_ptr + part + offs_p, mask=mask_p, other=0.0)
+            part_out = _load(part_out_ptr + part * head_dim, offs_p, mask_p, offs_d, mask_d, head_dim, 1)
+            m_new = tl.maximum(m, part_lse)
+            keep, weight = tl.exp2(m - m_new), tl.exp2(part_lse - m_new)
+            acc = acc * keep[:, None] + part_out * weight[:, None]
+            total = total * keep + weight
+            m = m_new
+        _store(out_ptr + b * so_b + h * so_h, acc / total[:, None], offs_p, mask_p, offs_d, mask_d, so_n, so_d)
+        tl.store(lse_pre_ptr + bh * p + offs_p, m + tl.log2(total), mask=mask_p)
+
+    @triton.jit
+    def _line_backward(
+        q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+        part_dk_ptr, part_dv_ptr, grad_ptr, lse_pre_ptr, part_dq_ptr,
+        sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+        sdo_b, sdo_h, sdo_n, sdo_d, so_b, so_h, so_n, so_d, sg_b, sg_h, sg_n, sg_d,
+        sdq_b, sdq_h, sdq_n, sdq_d, sdk_b, sdk_h, sdk_n, sdk_d, sdv_b, sdv_h, sdv_n, sdv_d,
+        heads, length, p, num_lines, line_offset, num_all_lines, seq_step, elem_step, head_dim, scale,
+        scale_log2e,
+        HAS_PREFIX: tl.constexpr, ROWS: tl.constexpr, LOW_PRECISION: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """The backward of one line's hop (lines as in :func:`_line_forward`); do is the hop's output
+        gradient (columns: the op's; rows: ``v_rows``'s), o the op's output.
+
+        Columns write dq, dk of the patches and dv = the gradient of ``v_rows`` with, in delta, its row
+        sums with ``v_rows`` (the row hop's softmax-backward term). Rows read delta, add dq and dk to
+        what the columns wrote, add the prefix queries' share of the row keys' gradients and write dv;
+        they leave the prefix queries' dq over the row in part_dq. Both leave the line's share of the
+        prefix keys' and values' gradients in part_dk, part_dv (line ``line_offset + line``).
+
+        One function of about 90 lines: the line's gradient accumulators live across the query loop."""
+        bh, line = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        b, h = bh // heads, bh % heads
+        q_ptr += b * sq_b + h * sq_h
+        k_ptr += b * sk_b + h * sk_h
+        v_ptr += b * sv_b + h * sv_h
+        do_ptr += b * sdo_b + h * sdo_h
+        o_ptr += b * so_b + h * so_h
+        dq_ptr += b * sdq_b + h * sdq_h
+        dk_ptr += b * sdk_b + h * sdk_h
+        dv_ptr += b * sdv_b + h * sdv_h
+        offs_l = tl.arange(0, BLOCK_L).to(tl.int64)
+        offs_p = tl.arange(0, BLOCK_P).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+        mask_l, mask_p, mask_d = offs_l < length, offs_p < p, offs_d < head_dim
+        tokens_l = p + line * seq_step + offs_l * elem_step
+        k_line = _load(k_ptr, tokens_l, mask_l, offs_d, mask_d, sk_n, sk_d, LOW_PRECISION)
+        v_line = _load(v_ptr, tokens_l, mask_l, offs_d, mask_d, sv_n, sv_d, LOW_PRECISION)
+        dk_line = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
+        dv_line = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
+        if HAS_PREFIX:
+            k_pre = _load(k_ptr, offs_p, mask_p, offs_d, mask_d, sk_n, sk_d, LOW_PRECISION)
+            v_pre = _load(v_ptr, offs_p, mask_p, offs_d, mask_d, sv_n, sv_d, LOW_PRECISION)
+            dk_pre = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
+            dv_pre = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
+        lse_ptr += bh * num_lines * length
+        delta_ptr += bh * num_lines * length
+        for start in range(0, length, BLOCK_Q):
+            offs_q = start + tl.arange(0, BLOCK_Q).to(tl.int64)
+            mask_q = offs_q < length
+            patches_q = line * seq_step + offs_q * elem_step
+            q = _load(q_ptr, p + patches_q, mask_q, offs_d, mask_d, sq_n, sq_d, LOW_PRECISION)
+            do = _load(do_ptr, p + patches_q, mask_q, offs_d, mask_d, sdo_n, sdo_d)
+            lse = tl.load(lse_ptr + patches_q, mask=mask_q, other=float("inf"))  # no weight past the line
+            if ROWS:
+                delta = tl.load(delta_ptr + patches_q, mask=mask_q, other=0.0)
+            else:
+                delta = tl.sum(do * _load(o_ptr, p + patches_q, mask_q, offs_d, mask_d, so_n, so_d), axis=1)
+            probs = tl.exp2(_scores(q, k_line, mask_l, scale_log2e, q_ptr, LOW_PRECISION) - lse[:, None])
+            ds = probs * (_mm(do, tl.trans(v_line), v_ptr, LOW_PRECISION) - delta[:, None])
+            dv_line += _mm(tl.trans(probs), do, v_ptr, LOW_PRECISION)
+            dk_line += _mm(tl.trans(ds), q, q_ptr, LOW_PRECISION)
+            dq = _mm(ds, k_line, k_ptr, LOW_PRECISION)
+            if HAS_PREFIX:
+                probs_pre = tl.exp2(_scores(q, k_pre, mask_p, scale_log2e, q_ptr, LOW_PRECISION) - lse[:, None])
+                ds_pre = probs_pre * (_mm(do, tl.trans(v_pre), v_ptr, LOW_PRECISION) - delta[:, None])
+                dv_pre += _mm(tl.trans(probs_pre), do, v_ptr, LOW_PRECISION)
+                dk_pre += _mm(tl.trans(ds_pre), q, q_ptr, LOW_PRECISION)
+                dq += _mm(ds_pre, k_pre, k_ptr, LOW_PRECISION)
+            dq = dq * scale
+            if ROWS:
+                dq += _load(dq_ptr, p + patches_q, mask_q, offs_d, mask_d, sdq_n, sdq_d)
+            _store(dq_ptr, dq, p + patches_q, mask_q, offs_d, mask_d, sdq_n, sdq_d)
+        if ROWS and HAS_PREFIX:
+            dk_line, dv_line = _prefix_queries_backward_over_row(
+                q_ptr, k_line, v_line, mask_l, dk_line, dv_line, grad_ptr + b * sg_b + h * sg_h,
+                o_ptr, lse_pre_ptr + bh * p, part_dq_ptr + ((bh * num_lines + line) * p) * head_dim,
+                offs_p, mask_p, offs_d, mask_d, sq_n, sq_d, sg_n, sg_d, so_n, so_d, head_dim, scale,
+                scale_log2e, LOW_PRECISION,
+            )
+        dk_line = dk_line * scale
+        if ROWS:
+            dk_line += _load(dk_ptr, tokens_l, mask_l, offs_d, mask_d, sdk_n, sdk_d)
+        else:  # the row hop's softmax-backward term, from the exact (fp32) gradient of v_rows
+            tl.store(delta_ptr + tokens_l - p, tl.sum(dv_line * v_line, axis=1), mask=mask_l)
+        _store(dk_ptr, dk_line, tokens_l, mask_l, offs_d, mask_d, sdk_n, sdk_d)
+        _store(dv_ptr, dv_line, tokens_l, mask_l, offs_d, mask_d, sdv_n, sdv_d)
+        if HAS_PREFIX:
+            part = ((bh * num_all_lines + line_offset + line) * p) * head_dim
+            _store(part_dk_ptr + part, dk_pre * scale, offs_p, mask_p, offs_d, mask_d, head_dim, 1)
+            _store(part_dv_ptr + part, dv_pre, offs_p, mask_p, offs_d, mask_d, head_dim, 1)
+
+    @triton.jit
+    def _prefix_queries_backward_over_row(
+        q_ptr, k_line, v_line, mask_l, dk_line, dv_line, grad_ptr, o_ptr, lse_pre_ptr, part_dq_ptr,
+        offs_p, mask_p, offs_d, mask_d, sq_n, sq_d, sg_n, sg_d, so_n, so_d, head_dim, scale, scale_log2e,
+        LOW_PRECISION: tl.constexpr,
+    ):
+        """The prefix queries' softmax over one row's keys (values v), backward: returns the row keys'
+        and values' gradients with their share added (dk not yet scaled) and leaves the prefix
+        queries' dq over the row in part_dq (P, d), fp32."""
+        q_pre = _load(q_ptr, offs_p, mask_p, offs_d, mask_d, sq_n, sq_d, LOW_PRECISION)
+        do_pre = _load(grad_ptr, offs_p, mask_p, offs_d, mask_d, sg_n, sg_d)
+        delta = tl.sum(do_pre * _load(o_ptr, offs_p, mask_p, offs_d, mask_d, so_n, so_d), axis=1)
+        lse = tl.load(lse_pre_ptr + offs_p, mask=mask_p, other=float("inf"))
+        probs = tl.exp2(_scores(q_pre, k_line, mask_l, scale_log2e, q_ptr, LOW_PRECISION) - lse[:, None])
+        ds = probs * (_mm(do_pre, tl.trans(v_line), q_ptr, LOW_PRECISION) - delta[:, None])
+        dv_line += _mm(tl.trans(probs), do_pre, q_ptr, LOW_PRECISION)
+        dk_line += _mm(tl.trans(ds), q_pre, q_ptr, LOW_PRECISION)
+        dq = _mm(ds, k_line, q_ptr, LOW_PRECISION) * scale
+        _store(part_dq_ptr, dq, offs_p, mask_p, offs_d, mask_d, head_dim, 1)
+        return dk_line, dv_line
+
+    @triton.jit
+    def _prefix_backward(
+        q_ptr, k_ptr, v_ptr, grad_ptr, o_ptr, lse_pre_ptr, part_dq_ptr, part_dk_ptr, part_dv_ptr,
+        dq_ptr, dk_ptr, dv_ptr,
+        sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+        sg_b, sg_h, sg_n, sg_d, so_b, so_h, so_n, so_d,
+        sdq_b, sdq_h, sdq_n, sdq_d, sdk_b, sdk_h, sdk_n, sdk_d, sdv_b, sdv_h, sdv_n, sdv_d,
+        heads, p, num_rows, num_all_lines, head_dim, scale, scale_log2e,
+        LOW_PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """dq, dk, dv of the prefix tokens of one image and head: the prefix queries' softmax over the
+        prefix keys, backward, plus the lines' partials summed in order (rows, then columns)."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // heads, bh % heads
+        offs_p, offs_d = tl.arange(0, BLOCK_P).to(tl.int64), tl.arange(0, BLOCK_D).to(tl.int64)
+        mask_p, mask_d = offs_p < p, offs_d < head_dim
+        q = _load(q_ptr + b * sq_b + h * sq_h, offs_p, mask_p, offs_d, mask_d, sq_n, sq_d, LOW_PRECISION)
+        k = _load(k_ptr + b * sk_b + h * sk_h, offs_p, mask_p, offs_d, mask_d, sk_n, sk_d)
+        v = _load(v_ptr + b * sv_b + h * sv_h, offs_p, mask_p, offs_d, mask_d, sv_n, sv_d)
+        do = _load(grad_ptr + b * sg_b + h * sg_h, offs_p, mask_p, offs_d, mask_d, sg_n, sg_d)
+        delta = tl.sum(do * _load(o_ptr + b * so_b + h * so_h, offs_p, mask_p, offs_d, mask_d, so_n, so_d), axis=1)
+        lse = tl.load(lse_pre_ptr + bh * p + offs_p, mask=mask_p, other=float("inf"))
+        probs = tl.exp2(_scores(q, k, mask_p, scale_log2e, q_ptr, LOW_PRECISION) - lse[:, None])
+        ds = probs * (_mm(do, tl.trans(v), q_ptr, LOW_PRECISION) - delta[:, None])
+        dq = _mm(ds, k, q_ptr, LOW_PRECISION) * scale
+        dk = _mm(tl.trans(ds), q, q_ptr, LOW_PRECISION) * scale
+        dv = _mm(tl.trans(probs), do, q_ptr, LOW_PRECISION)
+        for row in range(0, num_rows):
+            part = ((bh * num_rows + row) * p) * head_dim
+            dq += _load(part_dq_ptr + part, offs_p, mask_p, offs_d, mask_d, head_dim, 1)
+        for line in range(0, num_all_lines):
+            part = ((bh * num_all_lines + line) * p) * head_dim
+            dk += _load(part_dk_ptr + part, offs_p, mask_p, offs_d, mask_d, head_dim, 1)
+            dv += _load(part_dv_ptr + part, offs_p, mask_p, offs_d, mask_d, head_dim, 1)
+        _store(dq_ptr + b * sdq_b + h * sdq_h, dq, offs_p, mask_p, offs_d, mask_d, sdq_n, sdq_d)
+        _store(dk_ptr + b * sdk_b + h * sdk_h, dk, offs_p, mask_p, offs_d, mask_d, sdk_n, sdk_d)
+        _store(dv_ptr + b * sdv_b + h * sdv_h, dv, offs_p, mask_p, offs_d, mask_d, sdv_n, sdv_d)
+
+    def _autotuned(kernel, restore_value: tuple[str, ...] = ()):
+        """``kernel`` autotuned over :data:`AUTOTUNE_CONFIGS` per tile sizes, hop and dtype;
+        ``restore_value``: the outputs it adds to, restored between the trial runs."""
+        configs = [
+            triton.Config({"BLOCK_Q": block_q}, num_warps=warps, num_stages=stages)
+            for block_q, warps, stages in AUTOTUNE_CONFIGS
+        ]
+        return triton.autotune(configs, key=["BLOCK_L", "BLOCK_D", "ROWS"], restore_value=list(restore_value))(kernel)
+
+    _KERNELS = {"forward": _line_forward, "backward": _line_backward}
+    _AUTOTUNED = {} if INTERPRETED else {
+        "forward": _autotuned(_line_forward),
+        "backward": _autotuned(_line_backward, restore_value=("dq_ptr", "dk_ptr")),  # the rows add to dq, dk
+    }
+
+
+def _block(n: int) -> int:
+    """The power-of-two tile side holding n rows, at least 16 (``tl.dot`` takes no smaller operand)."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def _strides(*tensors: torch.Tensor) -> list[int]:
+    return [s for t in tensors for s in t.stride()]
+
+
+def _prefix_meta(q: torch.Tensor, p: int) -> dict:
+    """The tile sizes and precision every kernel takes."""
+    low_precision = not INTERPRETED and q.dtype != torch.float32  # the interpreter has no fp16/bf16 arithmetic
+    return {"LOW_PRECISION": low_precision, "BLOCK_P": _block(p), "BLOCK_D": _block(q.shape[-1])}
+
+
+def _lines(rows: bool, h: int, w: int) -> dict:
+    """A hop's lines for the line kernels: H rows of W patches (patch ``y * W + x``), or W columns of H."""
+    if rows:
+        return {"length": w, "num_lines": h, "seq_step": w, "elem_step": 1, "ROWS": True, "BLOCK_L": _block(w)}
+    return {"length": h, "num_lines": w, "seq_step": 1, "elem_step": w, "ROWS": False, "BLOCK_L": _block(h)}
+
+
+def _launch(hop: str, kernel: str, grid: tuple[int, int], args: list, meta: dict, dtype: torch.dtype) -> None:
+    """A line kernel (``kernel``: "forward" or "backward" of ``hop``: "rows" or "columns") at its
+    configuration: the fixed one when interpreted, else :data:`TUNED_CONFIGS`'s, else autotuned."""
+    assert min(meta["BLOCK_L"], meta["BLOCK_P"], meta["BLOCK_D"]) >= 16, meta  # tl.dot's smallest operand
+    if INTERPRETED:
+        config = INTERPRETED_CONFIG
+    else:
+        dtype_name = str(dtype).removeprefix("torch.")
+        config = TUNED_CONFIGS.get((f"{hop}_{kernel}", meta["BLOCK_L"], meta["BLOCK_D"], dtype_name))
+    if config is None:
+        wrap_triton(_AUTOTUNED[kernel])[grid](*args, **meta)
+        return
+    block_q, warps, stages = config
+    wrap_triton(_KERNELS[kernel])[grid](*args, **meta, BLOCK_Q=block_q, num_warps=warps, num_stages=stages)
+
+
+def autotuned_configs() -> dict[tuple[str, int, int, str], tuple[int, int, int]]:
+    """What this process's autotuning chose (eager calls on a GPU), as :data:`TUNED_CONFIGS` entries."""
+    chosen = {}
+    for kernel, tuner in _AUTOTUNED.items() if HAS_TRITON else ():
+        for (block_l, block_d, rows, dtype, *_), config in tuner.cache.items():
+            name = f"{'rows' if rows else 'columns'}_{kernel}"
+            entry = (config.kwargs["BLOCK_Q"], config.num_warps, config.num_stages)
+            chosen[(name, block_l, block_d, dtype.removeprefix("torch."))] = entry
+    return chosen
+
+
+def _saved_buffers(q: torch.Tensor, p: int) -> Tensors4:
+    """What the forward leaves for the backward besides q, k, v and the output: ``v_rows`` (B, heads, N, d)
+    token-major (the row hop's output, v at the prefix tokens; the column hop's values) and the base-2
+    log-sum-exps, fp32, of the row hop and the column hop (B * heads, H * W) and of the prefix queries
+    (B * heads, P)."""
+    batch, heads, n, d = q.shape
+    lse_rows, lse_cols = (q.new_empty(batch * heads, n - p, dtype=torch.float32) for _ in range(2))
+    lse_pre = q.new_empty(batch * heads, p, dtype=torch.float32)
+    return token_major_empty(batch, heads, n, d, q), lse_rows, lse_cols, lse_pre
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, saved: Tensors4, h: int, p: int, scale: float
+) -> None:
+    """Writes the output into ``out`` and :func:`_saved_buffers` into ``saved``; q, k, v, out
+    (B, heads, N, d), any strides."""
+    batch, heads, n, d = q.shape
+    w, bh = (n - p) // h, batch * heads
+    v_rows, lse_rows, lse_cols, lse_pre = saved
+    # the prefix queries' partial outputs over each row; without prefix tokens never read (placeholders)
+    part_out = q.new_empty(bh, h, p, d, dtype=torch.float32) if p else lse_rows
+    part_lse = q.new_empty(bh, h, p, dtype=torch.float32) if p else lse_rows
+    meta = {"heads": heads, "p": p, "head_dim": d, "scale_log2e": scale * LOG2E, "HAS_PREFIX": p > 0}
+    meta |= _prefix_meta(q, p)
+    row_args = [q, k, v, v_rows, lse_rows, part_out, part_lse, *_strides(q, k, v, v_rows)]
+    _launch("rows", "forward", (bh, h), row_args, _lines(True, h, w) | meta, q.dtype)
+    column_args = [q, k, v_rows, out, lse_cols, part_out, part_lse, *_strides(q, k, v_rows, out)]
+    _launch("columns", "forward", (bh, w), column_args, _lines(False, h, w) | meta, q.dtype)
+    if p:
+        wrap_triton(_prefix_forward)[(bh,)](
+            q, k, v, out, lse_pre, part_out, part_lse, *_strides(q, k, v, out), heads, p, h, d, scale * LOG2E,
+            **_prefix_meta(q, p),
+        )
+
+
+def _backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    grad: torch.Tensor,
+    saved: Tensors4,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    h: int,
+    p: int,
+    scale: float,
+) -> None:
+    """Writes dq, dk, dv into ``grads`` (shaped like q, k, v, any strides); ``grad`` is the output's
+    gradient (any strides), ``saved`` what :func:`_forward` left."""
+    v_rows, lse_rows, lse_cols, lse_pre = saved
+    dq, dk, dv = grads
+    batch, heads, n, d = q.shape
+    w, bh = (n - p) // h, batch * heads
+    dv_rows = token_major_empty(batch, heads, n, d, v)  # the gradient of v_rows: the row hop's output gradient
+    delta_rows = q.new_empty(bh, h * w, dtype=torch.float32)
+    # each line's share of the prefix tokens' gradients; without prefix tokens never read (placeholders)
+    part_dq = q.new_empty(bh, h, p, d, dtype=torch.float32) if p else delta_rows
+    part_dk, part_dv = (q.new_empty(bh, h + w, p, d, dtype=torch.float32) if p else delta_rows for _ in range(2))
+    lse_pre = lse_pre if p else delta_rows
+    meta = {
+        "heads": heads, "p": p, "num_all_lines": h + w, "head_dim": d, "scale": scale, "scale_log2e": scale * LOG2E,
+        "HAS_PREFIX": p > 0, **_prefix_meta(q, p),
+    }
+    partials = [part_dk, part_dv, grad, lse_pre, part_dq]
+    column_args = [
+        q, k, v_rows, grad, out, lse_cols, delta_rows, dq, dk, dv_rows, *partials,
+        *_strides(q, k, v_rows, grad, out, grad, dq, dk, dv_rows),
+    ]
+    _launch("columns", "backward", (bh, w), column_args, _lines(False, h, w) | meta | {"line_offset": h}, q.dtype)
+    row_args = [
+        q, k, v, dv_rows, out, lse_rows, delta_rows, dq, dk, dv, *partials,
+        *_strides(q, k, v, dv_rows, out, grad, dq, dk, dv),
+    ]
+    _launch("rows", "backward", (bh, h), row_args, _lines(True, h, w) | meta | {"line_offset": 0}, q.dtype)
+    if p:
+        wrap_triton(_prefix_backward)[(bh,)](
+            q, k, v, grad, out, lse_pre, part_dq, part_dk, part_dv, dq, dk, dv,
+            *_strides(q, k, v, grad, out, dq, dk, dv), heads, p, h, h + w, d, scale, scale * LOG2E,
+            **_prefix_meta(q, p),
+        )
+
+
+def _axial_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, p: int, scale: float) -> Tensors5:
+    return token_major_empty(*q.shape, q), *_saved_buffers(q, p)
+
+
+def _axial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, p: int, scale: float) -> Tensors5:
+    """(output (B, heads, N, d) token-major, *:func:`_saved_buffers`)."""
+    out, *saved = _axial_outputs(q, k, v, h, p, scale)
+    _forward(q, k, v, out, saved, h, p, scale)
+    return out, *saved
+
+
+def _axial_grads_outputs(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_) -> Tensors3:
+    return token_major_empty(*q.shape, q), token_major_empty(*k.shape, k), token_major_empty(*v.shape, v)
+
+
+def _axial_grads(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    v_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    lse_cols: torch.Tensor,
+    lse_pre: torch.Tensor,
+    h: int,
+    p: int,
+    scale: float,
+) -> Tensors3:
+    """dq, dk, dv, token-major."""
+    grads = _axial_grads_outputs(grad, q, k, v)
+    _backward(q, k, v, out, grad, (v_rows, lse_rows, lse_cols, lse_pre), grads, h, p, scale)
+    return grads
+
+
+def _packed_outputs(qkv: torch.Tensor, num_heads: int, h: int, p: int, scale: float) -> Tensors5:
+    batch, n, width = qkv.shape
+    return qkv.new_empty(batch, n, width // 3), *_saved_buffers(split_qkv(qkv, num_heads)[0], p)
+
+
+def _packed(qkv: torch.Tensor, num_heads: int, h: int, p: int, scale: float) -> Tensors5:
+    """(output (B, N, C), *:func:`_saved_buffers`) from the projection (B, N, 3 C)."""
+    out, *saved = _packed_outputs(qkv, num_heads, h, p, scale)
+    _forward(*split_qkv(qkv, num_heads), split_heads(out, num_heads), saved, h, p, scale)
+    return out, *saved
+
+
+def _packed_grads_outputs(grad: torch.Tensor, qkv: torch.Tensor, *_) -> torch.Tensor:
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+def _packed_grads(
+    grad: torch.Tensor,
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    v_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    lse_cols: torch.Tensor,
+    lse_pre: torch.Tensor,
+    num_heads: int,
+    h: int,
+    p: int,
+    scale: float,
+) -> torch.Tensor:
+    """The gradient of the projection, one (B, N, 3 C) tensor."""
+    grad_qkv = _packed_grads_outputs(grad, qkv)
+    _backward(
+        *split_qkv(qkv, num_heads), split_heads(out, num_heads), split_heads(grad, num_heads),
+        (v_rows, lse_rows, lse_cols, lse_pre), split_qkv(grad_qkv, num_heads), h, p, scale,
+    )
+    return grad_qkv
+
+
+def _register(name: str, impl, fake):
+    """The torch.library op ``visattn::<name>``: a Triton op, whose kernels torch.compile captures, or
+    under the interpreter (whose kernels cannot be traced) an opaque custom op with its own fake."""
+    if INTERPRETED:
+        op = torch.library.custom_op(f"visattn::{name}", impl, mutates_args=())
+        op.register_fake(fake)
+        return op
+    return torch.library.triton_op(f"visattn::{name}", mutates_args=())(impl)
+
+
+def _setup_context(ctx, inputs: tuple, output: Tensors5) -> None:
+    """Keeps the input tensors, the output and the saved buffers; only the output carries a gradient."""
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*(t for t in inputs if isinstance(t, torch.Tensor)), *output)
+    ctx.arguments = [x for x in inputs if not isinstance(x, torch.Tensor)]
+
+
+def _axial_backward(ctx, grad: torch.Tensor, *_) -> tuple:
+    return *_axial_grads_op(grad, *ctx.saved_tensors, *ctx.arguments), None, None, None
+
+
+def _packed_backward(ctx, grad: torch.Tensor, *_) -> tuple:
+    return _packed_grads_op(grad, *ctx.saved_tensors, *ctx.arguments), None, None, None, None
+
+
+if HAS_TRITON:
+    _axial_op = _register("axial_attn_triton", _axial, _axial_outputs)
+    _axial_grads_op = _register("axial_attn_triton_backward", _axial_grads, _axial_grads_outputs)
+    _packed_op = _register("packed_axial_attn_triton", _packed, _packed_outputs)
+    _packed_grads_op = _register("packed_axial_attn_triton_backward", _packed_grads, _packed_grads_outputs)
+    _axial_op.register_autograd(_axial_backward, setup_context=_setup_context)
+    _packed_op.register_autograd(_packed_backward, setup_context=_setup_context)
+
+
+def check_triton_axial(
+    op: str, grid: tuple[int, int], num_prefix_tokens: int, head_dim: int, t: torch.Tensor
+) -> None:
+    """Raises a one-line ValueError where the ``triton`` path cannot take the inputs: its device (see
+    :func:`visattn.ops.triton_support.check_triton_runs_on`), its dtype, or a grid side, prefix or head
+    longer than the :data:`MAX_LINE` tokens one program holds."""
+    check_triton_runs_on(op, t.device)
+    if t.dtype not in DTYPES:
+        raise ValueError(f"{op}: the 'triton' backend takes float32, float16 or bfloat16 tensors, got {t.dtype}")
+    sizes = {"grid height": grid[0], "grid width": grid[1], "num_prefix_tokens": num_prefix_tokens}
+    sizes["head_dim"] = head_dim
+    too_long = ", ".join(f"{name} {size}" for name, size in sizes.items() if size > MAX_LINE)
+    if too_long:
+        raise ValueError(
+            f"{op}: the 'triton' backend takes a grid height and width, num_prefix_tokens and head_dim of at "
+            f"most {MAX_LINE}; got {too_long}"
+        )
+
+
+def _in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in autocast's dtype where it is on (as SDPA takes them), else as they are."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    return tuple(t.to(torch.get_autocast_dtype(device)) for t in tensors)
+
+
+def triton_axial_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int], num_prefix_tokens: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`visattn.ops.axial_attn` on the Triton kernels (no dropout); the caller has checked the
+    shapes (:func:`visattn.ops.checks.check_qkv`, :func:`~visattn.ops.checks.check_grid`).
+
+    Args:
+        q, k, v: (B, heads, N, d), any strides: views of the qkv projection are read in place.
+        grid: (H, W); num_prefix_tokens: P, N = P + H * W.
+        scale: score scale; ``d ** -0.5`` if None.
+    Returns:
+        (B, heads, N, d), a view of a token-major (B, N, heads, d) tensor.
+    """
+    check_triton_axial("triton_axial_attn", grid, num_prefix_tokens, q.shape[-1], q)
+    q, k, v = _in_autocast_dtype(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _axial_op(q, k, v, grid[0], num_prefix_tokens, scale)[0]
+
+
+def packed_triton_axial_attn(
+    qkv: torch.Tensor, num_heads: int, grid: tuple[int, int], num_prefix_tokens: int = 0, scale: float | None = None
+) -> torch.Tensor:
+    """:func:`triton_axial_attn` on the qkv projection (B, N, 3 C) itself (timm's layout, any strides)
+    -> (B, N, C), heads merged; its gradient comes back as one (B, N, 3 C) tensor."""
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    check_triton_axial("packed_triton_axial_attn", grid, num_prefix_tokens, head_dim, qkv)
+    (qkv,) = _in_autocast_dtype(qkv)
+    scale = head_dim**-0.5 if scale is None else scale
+    return _packed_op(qkv, num_heads, grid[0], num_prefix_tokens, scale)[0]
