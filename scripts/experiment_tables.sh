@@ -96,8 +96,8 @@ axial() {
     --output "$TABLES/cluttered-digits-maxpool-axial$FIRST_EPOCHS_AXIAL.md" "$@" -- "${EXTRA[@]}"
 }
 ALL_TYPES=(softmax linear linear:dwconv_kernel=null axial neighborhood sparse)
-# Each generated set the tables read drawn once, with every core, before the runs that read it start side by side:
-# the recipe's, and the variants' for the axial table.
+# The normalisation statistics of each generated set the tables read computed once, with every core, before the runs
+# that read it start side by side: the recipe's, and the variants' for the axial table.
 VARIANT_SETS=$(wanted axial && echo variants)
 $PY - "$CONFIG" $VARIANT_SETS <<'PYTHON' || { echo "drawing the generated sets failed" >&2; exit 1; }
 import sys

@@ -695,6 +695,17 @@ def test_the_overview_counts_the_images_tokens_flops_and_memory_of_the_quick_sta
     ]
 
 
+def test_a_loader_holding_more_than_half_the_machine_s_memory_is_warned_of(monkeypatch):
+    monkeypatch.setattr(overview, "loader_workers", lambda asked: asked)
+    monkeypatch.setattr(overview, "machine_memory_bytes", lambda: 16 * 2**30)
+    assert overview.loader_warning(quick_start()[0]) == []  # 17 batches of 32 at 1024 px: 6.38 GiB
+    at_2048 = make_config({"dataset": "cluttered-digits", "img_size": 2048, "batch_size": 32, "num_workers": 8})
+    assert overview.loader_warning(at_2048) == [
+        f"warning: the training loader may hold {significant(17 * 32 * 3 * 2048 * 2048 * 4 / 2**30)} GiB of batches "
+        "per process, more than half this machine's 16.0 GiB of memory: lower --num-workers or --batch-size"
+    ]
+
+
 def test_the_step_memory_estimate_is_just_under_the_peak_the_h200_measured():
     """docs/results/2026-11-27-h200-check.md: the quick start in bf16 peaked at 22,994 MiB
     (torch.cuda.max_memory_allocated)."""

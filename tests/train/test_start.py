@@ -56,7 +56,7 @@ def test_the_run_starts_with_an_overview_and_auto_choice(tmp_path):
         "9.04 MFLOPs per step (forward and backward, an estimate from the cost models)",
         f"memory per process: a step about {significant(step_bytes / 2**10)} KiB on cpu "
         "(an estimate: weights, gradients, AdamW's moments, the activations kept for the backward); the training loader "
-        "up to 48.0 KiB (1 batch of 16 images of 3x16x16 in fp32: drawn in the training process)",
+        "up to 48.0 KiB (1 batch of 16 images of 3x16x16 in fp32: read in the training process)",
         f"run directory: {tmp_path / 'run'}",
         "warning: the warm-up (1 epoch) does not end before the run (1 epoch): the learning rate never reaches "
         "lr=0.002; lower --warmup-epochs",

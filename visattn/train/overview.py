@@ -152,9 +152,24 @@ def step_cost(config: TrainConfig, model: nn.Module, device: torch.device) -> St
     return StepCost(batch=config.batch_size, flops=3 * forward * config.batch_size, memory_bytes=memory)
 
 
-def loader_batches(num_workers: int) -> int:
-    """Batches a training loader holds at once per process: two in flight per worker, and the one the step reads."""
-    return PREFETCH_FACTOR * num_workers + 1 if num_workers else 1
+@dataclass(frozen=True)
+class LoaderMemory:
+    """The batches a process's training loader holds at once, ``batches`` of ``batch_bytes``: two in flight per
+    worker of ``workers`` and the one the step reads (one with no worker)."""
+
+    workers: int
+    batches: int
+    batch_bytes: int
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> LoaderMemory:
+        workers = loader_workers(config.num_workers)
+        batches = PREFETCH_FACTOR * workers + 1 if workers else 1
+        return cls(workers, batches, config.batch_size * 3 * config.image_hw[0] * config.image_hw[1] * 4)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.batches * self.batch_bytes
 
 
 def machine_memory_bytes() -> int:
@@ -184,12 +199,10 @@ def cost_lines(config: TrainConfig, splits: DataSplits, model: nn.Module, num_pr
     layout = TokenLayout(tuple(model.patch_embed.grid_size), model.num_prefix_tokens)
     selection = splits.val if splits.val is not None else splits.eval
     tests = len(splits.eval) * (config.epochs if config.test_every_epoch else 1)
-    workers = loader_workers(config.num_workers)
-    batches = loader_batches(workers)
+    loader = LoaderMemory.of(config)
     height, width = config.image_hw
-    loader_bytes = batches * config.batch_size * 3 * height * width * 4
-    in_flight = (f"{_count(workers, 'worker')} x {PREFETCH_FACTOR} in flight and the step's" if workers else
-                 "drawn in the training process")
+    in_flight = (f"{_count(loader.workers, 'worker')} x {PREFETCH_FACTOR} in flight and the step's" if loader.workers
+                 else "read in the training process")
     return [
         f"cost: {config.epochs * batches_per_epoch * global_batch:,} images trained, "
         f"{config.epochs * len(selection):,} {'validation' if splits.val is not None else 'test'} and {tests:,} test "
@@ -197,8 +210,19 @@ def cost_lines(config: TrainConfig, splits: DataSplits, model: nn.Module, num_pr
         f"{_flops(cost.flops)} per step (forward and backward, an estimate from the cost models)",
         f"memory per process: a step about {_bytes(cost.memory_bytes)} on {device.type} (an estimate: weights, "
         f"gradients, AdamW's moments, the activations kept for the backward); the training loader up to "
-        f"{_bytes(loader_bytes)} ({_count(batches, 'batch', 'batches')} of {config.batch_size} images of "
+        f"{_bytes(loader.total_bytes)} ({_count(loader.batches, 'batch', 'batches')} of {config.batch_size} images of "
         f"3x{height}x{width} in fp32: {in_flight})",
+    ]
+
+
+def loader_warning(config: TrainConfig) -> list[str]:
+    """One line when the training loader's batches may take more than half the machine's memory, else none."""
+    loader, memory = LoaderMemory.of(config), machine_memory_bytes()
+    if 2 * loader.total_bytes <= memory:
+        return []
+    return [
+        f"warning: the training loader may hold {_bytes(loader.total_bytes)} of batches per process, more than half "
+        f"this machine's {_bytes(memory)} of memory: lower --num-workers or --batch-size"
     ]
 
 
@@ -241,7 +265,8 @@ def run_overview(
 ) -> list[str]:
     """One line each: data (and its image files, and for a run that starts from weights, its normalisation and
     why), model, attention, schedule, cost (images, tokens, FLOPs), memory, run directory; and warnings when the
-    warm-up does not end within the run, and when a GPU recipe runs on the CPU (:func:`cpu_warning`)."""
+    warm-up does not end within the run, when the loader's batches may take more than half the machine's memory,
+    and when a GPU recipe runs on the CPU (:func:`cpu_warning`)."""
     height, width = config.image_hw
     rows, cols = model.patch_embed.grid_size
     patch_h, patch_w = model.patch_embed.patch_size
@@ -270,7 +295,9 @@ def run_overview(
         f"({_count(updates, 'update')} each)",
         *cost_lines(config, splits, model, num_processes, batches_per_epoch, device, cost),
         f"run directory: {run_dir}",
-    ] + warmup_notice(config) + (cpu_warning(config, model, batches_per_epoch, cost) if device.type == "cpu" else [])
+    ] + warmup_notice(config) + loader_warning(config) + (
+        cpu_warning(config, model, batches_per_epoch, cost) if device.type == "cpu" else []
+    )
 
 
 def warmup_notice(config: TrainConfig) -> list[str]:
