@@ -5,6 +5,9 @@ Without a GPU the kernels run under Triton's interpreter on CPU tensors (tests/c
 marked cuda run the same comparisons compiled on a GPU."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -16,6 +19,7 @@ from visattn.ops.layout import image_to_tokens, merge_heads, split_prefix, split
 from visattn.ops.linear import naive_linear_attn
 from visattn.ops.linear.triton import triton_linear_attn
 from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
+from visattn.ops.triton_support import HAS_TRITON
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -207,6 +211,8 @@ def test_bad_inputs_raise():
         triton_linear_attn(qkv, 5)
     with pytest.raises(ValueError, match="feature_map"):
         triton_linear_attn(qkv, 2, "softplus")
+    with pytest.raises(ValueError, match="head_dim must be at most 128"):
+        triton_linear_attn(torch.randn(1, 7, 3 * 256), 1)
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         triton_linear_attn(qkv.double(), 2)
     with pytest.raises(ValueError, match="K odd"):
@@ -222,3 +228,41 @@ def test_bad_inputs_raise():
     learned = mixed_rope(init_mixed_rope_freqs(16, 2).requires_grad_(), (2, 3), 1)
     with pytest.raises(ValueError, match="needs a gradient"):
         triton_linear_attn(qkv, 2, rope=learned)
+
+
+def compile_for_sm90() -> None:
+    """Compiles each kernel for an H100/H200 (sm_90) without a GPU, with rope, the convolution and bf16 inputs:
+    what the interpreter accepts and a GPU compiler refuses (a global that is not constexpr, a dot below 16)
+    fails here. Run with TRITON_INTERPRET unset, so that the kernels are Triton's JIT functions."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from visattn.ops.linear import triton_kernels
+
+    flags = {"FEATURE_MAP": 0, "ROPE": True, "PRECISION": "tf32", "BLOCK_N": 32, "BLOCK_D": 64}
+    constants = {
+        "state_kernel": {**flags, "SEGMENT": 256},
+        "output_kernel": {**flags, "KERNEL": 3, "HAS_BIAS": True},
+        "grad_query_kernel": {**flags, "SEGMENT": 256},
+        "grad_key_value_kernel": {**flags, "SEGMENT": 256, "KERNEL": 3, "BLOCK_TAPS": 16},
+        "sum_partials_kernel": {"BLOCK_L": 1024},
+    }
+    activations = ("qkv_ptr", "out_ptr", "grad_out_ptr", "grad_qkv_ptr")
+    for name, constexprs in constants.items():
+        kernel = getattr(triton_kernels, name)
+        signature = {
+            arg: "constexpr" if arg in constexprs else "*bf16" if arg in activations else "*fp32"
+            if arg.endswith("_ptr") else "fp32" if arg == "eps" else "i32"
+            for arg in kernel.arg_names
+        }
+        source = ASTSource(kernel, signature, constexprs)
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 2})
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_kernels_compile_for_sm90():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = "from tests.ops.test_linear_triton import compile_for_sm90; compile_for_sm90()"
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -57,11 +57,23 @@ class LaunchConfig:
 # Tokens per partial sum: interpreted, small enough that the tests' shapes span several segments of two blocks.
 SEGMENT = 128 if INTERPRETED else 256
 INTERPRETED_CONFIG = LaunchConfig(64, 4, 1)
-# Autotuned on a GPU (block sizes dividing SEGMENT), unless TUNED_CONFIGS holds the choice.
-AUTOTUNE_CONFIGS = (
-    LaunchConfig(32, 4, 2), LaunchConfig(64, 4, 2), LaunchConfig(64, 4, 3), LaunchConfig(64, 8, 3),
-    LaunchConfig(128, 4, 3), LaunchConfig(128, 8, 2),
-)
+# Autotuning candidates on a GPU per kernel (block sizes dividing SEGMENT), for heads up to 64 wide: compiled for
+# sm_90 (ptxas -v, bf16 inputs, TF32 products) they spill no registers, or a few hundred bytes in the backward with
+# rope; 4-warp blocks of 64 or more tokens spill kilobytes. A head of 128 keeps a 128 x 128 fp32 state (64 KiB)
+# per program and takes WIDE_HEAD_CONFIGS, the only ones that fit in shared memory with rope.
+AUTOTUNE_CONFIGS = {
+    "state_kernel": (
+        LaunchConfig(32, 8, 2), LaunchConfig(64, 8, 2), LaunchConfig(64, 8, 3), LaunchConfig(64, 16, 2),
+        LaunchConfig(128, 8, 2),
+    ),
+    "output_kernel": (LaunchConfig(32, 8, 2), LaunchConfig(64, 8, 2), LaunchConfig(64, 8, 3), LaunchConfig(64, 16, 2)),
+    "grad_query_kernel": (
+        LaunchConfig(32, 4, 2), LaunchConfig(32, 8, 2), LaunchConfig(64, 8, 2), LaunchConfig(64, 8, 3),
+    ),
+    "grad_key_value_kernel": (LaunchConfig(32, 8, 2), LaunchConfig(64, 8, 2), LaunchConfig(64, 16, 2)),
+}
+WIDE_HEAD_CONFIGS = (LaunchConfig(16, 4, 1), LaunchConfig(32, 8, 1), LaunchConfig(32, 8, 2))
+MAX_HEAD_DIM = 128
 # (kernel name, BLOCK_D, dtype name) -> the configuration a GPU's autotuning chose (:func:`autotuned_configs`),
 # so that no later run spends time autotuning. Filled in from GPU runs.
 TUNED_CONFIGS: dict[tuple[str, int, str], LaunchConfig] = {}
@@ -71,14 +83,21 @@ AUTOTUNE_KEYS = {
     "grad_query_kernel": ["BLOCK_D", "FEATURE_MAP", "ROPE"],
     "grad_key_value_kernel": ["BLOCK_D", "FEATURE_MAP", "ROPE", "KERNEL"],
 }
+
+
+def _autotuned(name: str, configs: tuple[LaunchConfig, ...]):
+    candidates = [
+        triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs
+    ]
+    return triton.autotune(candidates, key=AUTOTUNE_KEYS[name])(getattr(kernels, name))
+
+
 if HAS_TRITON and not INTERPRETED:
+    # (kernel name, whether the head is wider than 64) -> the autotuned kernel
     _AUTOTUNED = {
-        name: triton.autotune(
-            [triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
-             for c in AUTOTUNE_CONFIGS],
-            key=keys,
-        )(getattr(kernels, name))
-        for name, keys in AUTOTUNE_KEYS.items()
+        (name, wide): _autotuned(name, WIDE_HEAD_CONFIGS if wide else configs)
+        for name, configs in AUTOTUNE_CONFIGS.items()
+        for wide in (False, True)
     }
 
 
@@ -88,7 +107,7 @@ def _kernel(name: str, block_d: int, dtype: torch.dtype):
     dtype_name = str(dtype).removeprefix("torch.")
     config = INTERPRETED_CONFIG if INTERPRETED else TUNED_CONFIGS.get((name, block_d, dtype_name))
     if config is None:
-        return wrap_triton(_AUTOTUNED[name]), {}
+        return wrap_triton(_AUTOTUNED[(name, block_d > 64)]), {}
     if SEGMENT % config.block_n or config.block_n < 16:
         raise ValueError(f"{OP}: BLOCK_N={config.block_n} must be >= 16 (tl.dot) and divide SEGMENT={SEGMENT}")
     launch = {"BLOCK_N": config.block_n, "num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -98,7 +117,7 @@ def _kernel(name: str, block_d: int, dtype: torch.dtype):
 def autotuned_configs() -> dict[tuple[str, int, str], LaunchConfig]:
     """What this process's autotuning chose, as :data:`TUNED_CONFIGS` entries (to print after a GPU run)."""
     chosen = {}
-    for name, tuner in (_AUTOTUNED.items() if HAS_TRITON and not INTERPRETED else ()):
+    for (name, _), tuner in (_AUTOTUNED.items() if HAS_TRITON and not INTERPRETED else ()):
         for key, config in tuner.cache.items():
             dtypes = [k for k in key if isinstance(k, str) and k.startswith("torch.")]
             entry = LaunchConfig(config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
@@ -315,6 +334,8 @@ def _check_arguments(qkv, num_heads, feature_map, conv_weight, conv_bias, grid, 
     if feature_map not in FEATURE_MAP_CODES:
         raise ValueError(f"{OP}: feature_map must be one of {', '.join(FEATURE_MAP_CODES)}, got {feature_map!r}")
     c = qkv.shape[-1] // 3
+    if c // num_heads > MAX_HEAD_DIM:
+        raise ValueError(f"{OP}: head_dim must be at most {MAX_HEAD_DIM}, got {c // num_heads}")
     if conv_weight is None and conv_bias is not None:
         raise ValueError(f"{OP}: conv_bias needs conv_weight")
     if conv_weight is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-ELU, RELU = 0, 1  # the FEATURE_MAP constant of the kernels
+ELU, RELU = tl.constexpr(0), tl.constexpr(1)  # the FEATURE_MAP constant of the kernels
 
 
 @triton.jit
@@ -183,15 +183,15 @@ def output_kernel(
         v_at = q_ptr + 2 * C * stride_c + tokens[:, None] * stride_n + cols[None, :] * stride_c
         channel = weight_ptr + (h * d + cols) * stride_wc
         row, col, is_patch = _grid_position(tokens, N, num_prefix, grid_w)
-        for i in tl.static_range(KERNEL):
-            row_inside = is_patch & (row + i >= KERNEL // 2) & (row + i - KERNEL // 2 < grid_h)
-            for j in tl.static_range(KERNEL):
-                # tap (i, j) reads the token (i - K // 2) rows and (j - K // 2) columns away
-                inside = row_inside & (col + j >= KERNEL // 2) & (col + j - KERNEL // 2 < grid_w)
-                offset = ((i - KERNEL // 2) * grid_w + j - KERNEL // 2) * stride_n
-                shifted = tl.load(v_at + offset, mask=inside[:, None] & (cols < d)[None, :], other=0.0).to(tl.float32)
-                tap = tl.load(channel + i * stride_wi + j * stride_wj, mask=cols < d, other=0.0).to(tl.float32)
-                out += shifted * tap[None, :]
+        for tap in range(KERNEL * KERNEL):  # a loop, not unrolled: one shifted block in registers at a time
+            # tap (i, j) reads the token (i - K // 2) rows and (j - K // 2) columns away
+            di, dj = tap // KERNEL - KERNEL // 2, tap % KERNEL - KERNEL // 2
+            inside = is_patch & (row + di >= 0) & (row + di < grid_h) & (col + dj >= 0) & (col + dj < grid_w)
+            shifted = tl.load(v_at + (di * grid_w + dj) * stride_n, mask=inside[:, None] & (cols < d)[None, :],
+                              other=0.0).to(tl.float32)
+            weight = tl.load(channel + (di + KERNEL // 2) * stride_wi + (dj + KERNEL // 2) * stride_wj, mask=cols < d,
+                             other=0.0).to(tl.float32)
+            out += shifted * weight[None, :]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + h * d + cols, mask=cols < d, other=0.0).to(tl.float32)
             out += tl.where((tokens >= num_prefix)[:, None], bias[None, :], 0.0)
@@ -295,18 +295,18 @@ def grad_key_value_kernel(
             g_at = g_ptr + tokens[:, None] * stride_gn + cols[None, :] * stride_gc
             channel = weight_ptr + (h * d + cols) * stride_wc
             row, col, is_patch = _grid_position(tokens, N, num_prefix, grid_w)
-            for i in tl.static_range(KERNEL):
-                row_inside = is_patch & (row + KERNEL // 2 >= i) & (row + KERNEL // 2 - i < grid_h)
-                for j in tl.static_range(KERNEL):
-                    # the patch whose tap (i, j) reads this token: (K // 2 - i) rows and (K // 2 - j) columns away
-                    inside = row_inside & (col + KERNEL // 2 >= j) & (col + KERNEL // 2 - j < grid_w)
-                    offset = ((KERNEL // 2 - i) * grid_w + KERNEL // 2 - j) * stride_gn
-                    g = tl.load(g_at + offset, mask=inside[:, None] & (cols < d)[None, :], other=0.0).to(tl.float32)
-                    tap = tl.load(channel + i * stride_wi + j * stride_wj, mask=cols < d, other=0.0).to(tl.float32)
-                    dv += g * tap[None, :]
-                    grad_weight += tl.where(taps[:, None] == i * KERNEL + j, tl.sum(v * g, axis=0)[None, :], 0.0)
-                    if i == KERNEL // 2 and j == KERNEL // 2:
-                        grad_bias += tl.sum(g, axis=0)  # the centre tap: each patch token's own gradient
+            for tap in range(KERNEL * KERNEL):  # a loop, not unrolled: one shifted block in registers at a time
+                # the patch whose tap (i, j) reads this token: (K // 2 - i) rows and (K // 2 - j) columns away
+                di, dj = KERNEL // 2 - tap // KERNEL, KERNEL // 2 - tap % KERNEL
+                inside = is_patch & (row + di >= 0) & (row + di < grid_h) & (col + dj >= 0) & (col + dj < grid_w)
+                g = tl.load(g_at + (di * grid_w + dj) * stride_gn, mask=inside[:, None] & (cols < d)[None, :],
+                            other=0.0).to(tl.float32)
+                weight = tl.load(channel + (KERNEL // 2 - di) * stride_wi + (KERNEL // 2 - dj) * stride_wj,
+                                 mask=cols < d, other=0.0).to(tl.float32)
+                dv += g * weight[None, :]
+                grad_weight += tl.where(taps[:, None] == tap, tl.sum(v * g, axis=0)[None, :], 0.0)
+                # the centre tap reads each patch token's own gradient
+                grad_bias += tl.where(tap == KERNEL * KERNEL // 2, tl.sum(g, axis=0), 0.0)
         at = tokens[:, None] * stride_dn + cols[None, :] * stride_dc
         tl.store(dk_ptr + at, dk.to(grad_qkv_ptr.dtype.element_ty), mask=mask)
         tl.store(dv_ptr + at, dv.to(grad_qkv_ptr.dtype.element_ty), mask=mask)
