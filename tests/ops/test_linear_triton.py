@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tests.helpers import assert_rms_close
 from visattn.ops.layout import image_to_tokens, merge_heads, split_prefix, split_qkv, tokens_to_image
-from visattn.ops.linear import naive_linear_attn
+from visattn.ops.linear.naive import naive_linear_attn
 from visattn.ops.linear.triton import triton_linear_attn
 from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
 from visattn.ops.triton_support import HAS_TRITON

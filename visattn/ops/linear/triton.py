@@ -9,12 +9,15 @@ writes the output; the backward reads q and the output gradient and writes dq, t
 output gradient (its taps' halo from cache) and writes dk and dv. Autograd keeps the projection and the
 fp32 state [S | z] (B, heads, d, d + 1) and recomputes the feature maps.
 
-Kernels (:mod:`visattn.ops.linear.triton_kernels`), grid axis 1 = image x head:
-    state_kernel           (segments, B heads)  partial [S | z] per segment of tokens
-    sum_partials_kernel    (L / 1024, B heads) the segments added in order (skipped for one segment)
-    output_kernel          (N / BLOCK_N, B heads) the output, locality term included
-    grad_query_kernel      (segments, B heads)  dq and partial d[S | z]
-    grad_key_value_kernel  (segments, B heads)  dk, dv and partial conv weight/bias gradients
+Kernels (:mod:`visattn.ops.linear.triton_kernels`) and their launch grids, image x head first, then
+the tokens: segments of SEGMENT tokens (256; 128 interpreted), each walked in blocks of BLOCK_N, or blocks:
+    state_kernel           (B heads, segments)      partial [S | z] per segment
+    sum_partials_kernel    (B heads, L / 1024)      the segments added in order (skipped for one segment)
+    output_kernel          (B heads, N / BLOCK_N)   the output, locality term included
+    grad_query_kernel      (B heads, segments)      dq and partial d[S | z]
+    sum_partials_kernel                             d[S | z]
+    grad_key_value_kernel  (B heads, segments)      dk, dv and partial conv weight/bias gradients
+    sum_partials_kernel    (1, C (K K + 1) / 1024)  the conv gradients, over images and segments
 Sums over tokens are fp32 and reduced in a fixed order, so a result is the same bit for bit from run to
 run (on a GPU: once the launch configuration is fixed, from :data:`TUNED_CONFIGS` or the process's
 autotuning).
@@ -74,6 +77,7 @@ AUTOTUNE_CONFIGS = {
 }
 WIDE_HEAD_CONFIGS = (LaunchConfig(16, 4, 1), LaunchConfig(32, 8, 1), LaunchConfig(32, 8, 2))
 MAX_HEAD_DIM = 128
+MAX_TOKENS = 65535 * 16  # CUDA's limit of a grid's second axis, in blocks of at least 16 tokens
 # (kernel name, BLOCK_D, dtype name) -> the configuration a GPU's autotuning chose (:func:`autotuned_configs`),
 # so that no later run spends time autotuning. Filled in from GPU runs.
 TUNED_CONFIGS: dict[tuple[str, int, str], LaunchConfig] = {}
@@ -146,7 +150,7 @@ def _sum_partials(partials: torch.Tensor, total: torch.Tensor) -> None:
     if partials is total:
         return
     rows, segments, length = partials.shape
-    wrap_triton(kernels.sum_partials_kernel)[(triton.cdiv(length, SUM_BLOCK), rows)](
+    wrap_triton(kernels.sum_partials_kernel)[(rows, triton.cdiv(length, SUM_BLOCK))](
         partials, total, segments, length, BLOCK_L=SUM_BLOCK
     )
 
@@ -184,10 +188,10 @@ def _forward(
     out, state = _forward_outputs(qkv, num_heads)
     batch, n, c = out.shape
     d = c // num_heads
-    programs = (triton.cdiv(n, SEGMENT), batch * num_heads)
+    programs = (batch * num_heads, triton.cdiv(n, SEGMENT))
     flags = _flags(feature_map, rope, qkv.dtype, d)
     rope_args = _rope_args(rope, state)
-    partials = _partials(state, batch * num_heads, programs[0])
+    partials = _partials(state, batch * num_heads, programs[1])
     kernel, launch = _kernel("state_kernel", flags["BLOCK_D"], qkv.dtype)
     kernel[programs](
         qkv, rope_args[0], partials, n, c, d, num_heads, *qkv.stride(), *rope_args[1:], SEGMENT=SEGMENT, **flags,
@@ -196,7 +200,7 @@ def _forward(
     _sum_partials(partials, state)
     weight, bias, *weight_strides, size = _conv_args(conv_weight, conv_bias, state)
     kernel, launch = _kernel("output_kernel", flags["BLOCK_D"], qkv.dtype)
-    kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), batch * num_heads)](
+    kernel[lambda meta: (batch * num_heads, triton.cdiv(n, meta["BLOCK_N"]))](
         qkv, state, rope_args[0], weight, bias, out, n, c, d, num_heads, eps, *qkv.stride(), *rope_args[1:],
         *out.stride(), *weight_strides, num_prefix_tokens, grid_h, grid_w, KERNEL=size,
         HAS_BIAS=conv_bias is not None, **flags, **launch,
@@ -223,11 +227,11 @@ def _backward(
     batch, n, three_c = qkv.shape
     c = three_c // 3
     d = c // num_heads
-    programs = (triton.cdiv(n, SEGMENT), batch * num_heads)
+    programs = (batch * num_heads, triton.cdiv(n, SEGMENT))
     flags = {**_flags(feature_map, rope, qkv.dtype, d), "SEGMENT": SEGMENT}
     rope_args = _rope_args(rope, state)
     grad_state = torch.empty_like(state)
-    partials = _partials(grad_state, batch * num_heads, programs[0])
+    partials = _partials(grad_state, batch * num_heads, programs[1])
     kernel, launch = _kernel("grad_query_kernel", flags["BLOCK_D"], qkv.dtype)
     kernel[programs](
         qkv, state, rope_args[0], grad_out, grad_qkv, partials, n, c, d, num_heads, eps, *qkv.stride(),
@@ -235,7 +239,7 @@ def _backward(
     )
     _sum_partials(partials, grad_state)
     weight, _, *weight_strides, size = _conv_args(conv_weight, None, state)
-    conv_partials = state.new_empty(batch * programs[0], *grad_conv.shape) if size else state
+    conv_partials = state.new_empty(batch * programs[1], *grad_conv.shape) if size else state
     kernel, launch = _kernel("grad_key_value_kernel", flags["BLOCK_D"], qkv.dtype)
     kernel[programs](
         qkv, grad_state, rope_args[0], weight, grad_out, grad_qkv, conv_partials, n, c, d, num_heads, *qkv.stride(),
@@ -243,7 +247,7 @@ def _backward(
         KERNEL=size, BLOCK_TAPS=max(1, triton.next_power_of_2(size * size)), **flags, **launch,
     )
     if size:
-        _sum_partials(conv_partials.view(1, batch * programs[0], -1), grad_conv)
+        _sum_partials(conv_partials.view(1, batch * programs[1], -1), grad_conv)
     return grad_qkv, grad_conv
 
 
@@ -336,6 +340,8 @@ def _check_arguments(qkv, num_heads, feature_map, conv_weight, conv_bias, grid, 
     c = qkv.shape[-1] // 3
     if c // num_heads > MAX_HEAD_DIM:
         raise ValueError(f"{OP}: head_dim must be at most {MAX_HEAD_DIM}, got {c // num_heads}")
+    if qkv.shape[1] > MAX_TOKENS:
+        raise ValueError(f"{OP}: at most {MAX_TOKENS} tokens per image, got {qkv.shape[1]}")
     if conv_weight is None and conv_bias is not None:
         raise ValueError(f"{OP}: conv_bias needs conv_weight")
     if conv_weight is not None:

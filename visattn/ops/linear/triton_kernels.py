@@ -2,7 +2,7 @@
 
 Every kernel reads q, k and v in place from timm's qkv projection (B, N, 3 C), the q columns, then k,
 then v, heads of d = C / heads, at any strides; one program handles one image and one head (the grid's
-second axis, ``b * heads + h``) and a run of tokens (the first axis). Values are upcast to fp32 right
+first axis, ``b * heads + h``) and a run of tokens (the second axis). Values are upcast to fp32 right
 after each load and every sum over tokens is taken in fp32. A head is padded to ``BLOCK_D`` columns (a
 power of two, at least 16, the smallest ``tl.dot`` operand), the padding masked to zero.
 
@@ -119,7 +119,7 @@ def state_kernel(
     SEGMENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Partial [S | z] of each segment of tokens: partials (B, heads, segments, d, d + 1)."""
-    segment, bh = tl.program_id(0), tl.program_id(1)
+    bh, segment = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     k_ptr = qkv_ptr + b * stride_b + (C + h * d) * stride_c
     v_ptr = k_ptr + C * stride_c
@@ -137,14 +137,14 @@ def state_kernel(
         s += tl.dot(tl.trans(turned), v, input_precision=PRECISION)
         z += tl.sum(phi, axis=0)
     square = (cols < d)[:, None] & (cols < d)[None, :]
-    partial = partial_ptr + (bh.to(tl.int64) * tl.num_programs(0) + segment) * d * (d + 1)
+    partial = partial_ptr + (bh.to(tl.int64) * tl.num_programs(1) + segment) * d * (d + 1)
     _store_state(partial, s, z, cols, cols, d, square)
 
 
 @triton.jit
 def sum_partials_kernel(partial_ptr, out_ptr, R, L, BLOCK_L: tl.constexpr):
     """out (M, L) = the sum over r = 0, 1, .., R - 1 in that order of partials (M, R, L), fp32."""
-    block, m = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    m, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = block * BLOCK_L + tl.arange(0, BLOCK_L)
     mask = offs < L
     acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
@@ -164,7 +164,7 @@ def output_kernel(
 ):
     """out (B, N, C) = R phi(q) S / max(phi(q) z, eps), plus the K x K depthwise convolution of v over the
     grid (KERNEL > 0) on the patch tokens, each tap a shifted block of v (neighbouring rows in cache)."""
-    block, bh = tl.program_id(0), tl.program_id(1)
+    bh, block = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     q_ptr = qkv_ptr + b * stride_b + h * d * stride_c
     rope_ptr += h * stride_rh
@@ -213,7 +213,7 @@ def grad_query_kernel(
     g_num = g / max(den, eps), g_den = -(g_num . num) / max(den, eps) where the clamp passes (0 elsewhere);
     dphi(q) = R^T (g_num S^T) + g_den z^T, dS = (R phi(q))^T g_num, dz = phi(q)^T g_den.
     """
-    segment, bh = tl.program_id(0), tl.program_id(1)
+    bh, segment = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     q_ptr = qkv_ptr + b * stride_b + h * d * stride_c
     g_ptr = grad_out_ptr + b * stride_gb + h * d * stride_gc
@@ -246,7 +246,7 @@ def grad_query_kernel(
                  dq.to(grad_qkv_ptr.dtype.element_ty), mask=mask)
         grad_s += tl.dot(tl.trans(turned), g_num, input_precision=PRECISION)
         grad_z += tl.sum(phi * g_den[:, None], axis=0)
-    partial = partial_ptr + (bh.to(tl.int64) * tl.num_programs(0) + segment) * d * (d + 1)
+    partial = partial_ptr + (bh.to(tl.int64) * tl.num_programs(1) + segment) * d * (d + 1)
     _store_state(partial, grad_s, grad_z, cols, cols, d, square)
 
 
@@ -263,7 +263,7 @@ def grad_key_value_kernel(
     (KERNEL > 0), dv gains the transposed convolution of the output gradient, and the segment's partial
     weight and bias gradients go to conv_partials (B, segments, C, K * K + 1): each tap's sum of v times the
     output gradient of the token it reaches, and the sum of the patch tokens' output gradients."""
-    segment, bh = tl.program_id(0), tl.program_id(1)
+    bh, segment = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     k_ptr = qkv_ptr + b * stride_b + (C + h * d) * stride_c
     v_ptr = k_ptr + C * stride_c
@@ -312,7 +312,7 @@ def grad_key_value_kernel(
         tl.store(dv_ptr + at, dv.to(grad_qkv_ptr.dtype.element_ty), mask=mask)
     if KERNEL > 0:
         width = KERNEL * KERNEL + 1
-        partial = conv_partial_ptr + ((b * tl.num_programs(0) + segment) * C + h * d) * width
+        partial = conv_partial_ptr + ((b * tl.num_programs(1) + segment) * C + h * d) * width
         tap_mask = (taps < KERNEL * KERNEL)[:, None] & (cols < d)[None, :]
         tl.store(partial + cols[None, :] * width + taps[:, None], grad_weight, mask=tap_mask)
         tl.store(partial + cols * width + KERNEL * KERNEL, grad_bias, mask=cols < d)
