@@ -17,6 +17,11 @@ part afresh; tests/test_docs_site.py fails while a committed copy differs from w
 
 The site's changelog page is CHANGELOG.md itself, put at build time in place of docs/changelog.md, which on a
 repository page links to it.
+
+The run outputs behind the results pages (tables, benchmark reports, run files) live outside docs/, in the
+repository's results/ folder. A page links to them by their place in the repository (``../results/...`` from docs/,
+``../../results/...`` from docs/results/), which works on a repository page; the hook adds every file of results/ to
+the site under that same link, served at ``results/...`` beside the results pages, so the links work there too.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from types import ModuleType
 from visattn.train.config import TrainConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
+RESULTS = "results"  # the run outputs' folder, beside docs/
 REGION = re.compile(
     r"(?P<start><!-- generated: (?P<name>[\w:-]+) \(scripts/docs_hooks\.py\) -->\n)(?P<body>.*?)"
     r"(?P<end><!-- end generated: (?P=name) -->)",
@@ -61,12 +67,13 @@ def config_table() -> str:
 # -- the README's sections -------------------------------------------------------------------------------------------
 def readme_section(readme: str, name: str) -> str:
     """The README's text between ``<!-- section: NAME -->`` and ``<!-- end section: NAME -->``, its links to
-    ``docs/...`` made relative to docs/; ValueError if there is no such section."""
+    ``docs/...`` and ``results/...`` made relative to docs/; ValueError if there is no such section."""
     match = re.search(rf"<!-- section: {name} -->\n(.*?)<!-- end section: {name} -->", readme, flags=re.S)
     if match is None:
         raise ValueError(f"README.md has no section {name!r} "
                          f"(<!-- section: {name} --> ... <!-- end section: {name} -->)")
-    return match.group(1).replace("](docs/", "](")
+    # the run outputs first: docs/results/ (the results pages) becomes results/ too
+    return match.group(1).replace(f"]({RESULTS}/", f"](../{RESULTS}/").replace("](docs/", "](")
 
 
 # -- the results index -----------------------------------------------------------------------------------------------
@@ -211,6 +218,33 @@ def refresh(text: str, docs: Path = DOCS) -> str:
 
 def generated_pages(docs: Path = DOCS) -> list[Path]:
     return [path for path in sorted(docs.rglob("*.md")) if REGION.search(path.read_text())]
+
+
+def results_files(docs: Path) -> list[tuple[str, str]]:
+    """(the path a page's link resolves to, relative to ``docs``; where the site serves it) for every file under
+    results/: ``../results/tables/x.csv`` is served at ``results/tables/x.csv``."""
+    root = docs.parent / RESULTS
+    files = sorted(path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_file())
+    return [(f"../{RESULTS}/{name}", f"{RESULTS}/{name}") for name in files]
+
+
+def on_files(files, config):
+    """The files under results/ added to the site; ValueError where one would be served in a page's place."""
+    from mkdocs.structure.files import File, InclusionLevel
+
+    docs = Path(config["docs_dir"])
+    served = {file.dest_uri for file in files}
+    for link, dest in results_files(docs):
+        file = File(link, str(docs), config["site_dir"], config["use_directory_urls"])
+        if file.is_documentation_page():  # a generated table or report: a page of the site, at its own URL
+            dest = file.dest_uri.replace(f"../{RESULTS}/", f"{RESULTS}/", 1)
+        if dest in served:
+            raise ValueError(f"{link} would be served at {dest}, where the site has a page already")
+        # INCLUDED: a path that starts with "." (here "../") is otherwise taken for a hidden file and left out
+        files.append(File(link, str(docs), config["site_dir"], config["use_directory_urls"], dest_uri=dest,
+                          inclusion=InclusionLevel.INCLUDED))
+        served.add(dest)
+    return files
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -6,7 +6,7 @@
 #   transfer   each type converted from its seed's softmax parent, with and without attention transfer
 #   resolution the parents' first stage (64 px, 256 tokens) converted and trained on at 128 px (1,024 tokens)
 #   axial      axial with a first stage of FIRST_EPOCHS_AXIAL epochs on the tuning and held-out variants
-# Usage: [JOBS=4] [LIMIT=seconds] [TABLES=docs/tables] [RUNS=runs] [ONLY="types ..."] [SEEDS="0 1 2"] \
+# Usage: [JOBS=4] [LIMIT=seconds] [TABLES=results/tables] [RUNS=runs] [ONLY="types ..."] [SEEDS="0 1 2"] \
 #   bash scripts/experiment_tables.sh [train.py flags laid over every run, e.g. --max-train-samples 64]
 # (paths relative to the repository root). Every table is written by its runner, with the command that wrote it;
 # a runner stopped at LIMIT (or by Ctrl-C) leaves its runs to be resumed by the same command, and the tables are
@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # many processe
 PY=${PYTHON:-python3}
 JOBS=${JOBS:-4}
 LIMIT=${LIMIT:-0}  # seconds for the training of all tables (0: no limit)
-TABLES=${TABLES:-docs/tables}
+TABLES=${TABLES:-results/tables}
 RUNS=${RUNS:-runs}
 TABLE_NAMES="types transfer resolution axial"
 ONLY=${ONLY:-$TABLE_NAMES}

@@ -86,13 +86,14 @@ def test_the_home_page_shows_the_readmes_tables_as_generated_copies_and_writes_n
 
 
 def test_the_home_page_shows_the_picture_the_readme_shows():
-    (picture,) = re.findall(r"!\[[^\]]*\]\(docs/([^)]+)\)", README)
-    assert f"]({picture})" in HOME and (DOCS / picture).is_file()
+    (picture,) = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README)
+    from_docs = picture.removeprefix("docs/") if picture.startswith("docs/") else f"../{picture}"
+    assert f"]({from_docs})" in HOME and (REPO / picture).is_file()
 
 
 # -- the README's figures against their files ------------------------------------------------------------------------
 def test_the_readmes_results_table_is_the_files_table():
-    files = {row[0]: row for row in _table_rows((DOCS / "tables" / "cluttered-digits-e16.md").read_text())}
+    files = {row[0]: row for row in _table_rows((REPO / "results" / "tables" / "cluttered-digits-e16.md").read_text())}
     readme = _table_rows(_readme_section("results"))
     assert len(readme) >= 5
     for name, accuracy, memory in readme:
@@ -103,7 +104,7 @@ def test_the_readmes_results_table_is_the_files_table():
 def test_the_readmes_main_job_figures_are_its_summary_files():
     match = re.search(r"test accuracy (\d+\.\d+)% \(seed 0: (\d+) of the (\d+) test digits\), (\d+) to\s+(\d+) s", README)
     assert match, "the README's main job sentence"
-    summaries = [json.loads(path.read_text()) for path in sorted((DOCS / "results" / "2026-11-27-main-job-files").glob("*/summary.json"))]
+    summaries = [json.loads(path.read_text()) for path in sorted((REPO / "results" / "2026-11-27-main-job").glob("*/summary.json"))]
     assert len(summaries) == 2
     for summary in summaries:
         assert f"{100 * summary['test_acc']:.2f}" == match.group(1)

@@ -15,8 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-# The pages written by hand: not the generated tables and benchmark reports under docs/tables and docs/benchmark.
-DOC_PAGES = sorted(p for p in (REPO / "docs").rglob("*.md") if not {"tables", "benchmark"} & set(p.relative_to(REPO / "docs").parts))
+# The pages written by hand (the generated tables and benchmark reports are run outputs, under results/).
+DOC_PAGES = sorted((REPO / "docs").rglob("*.md"))
 PAGES = [README, *DOC_PAGES]
 TEXTS = {page: page.read_text() for page in PAGES}
 
@@ -36,7 +36,7 @@ FROM_IMPORTS = sorted(
      for module, names in re.findall(r"from (visattn[\w.]*) import ([\w, ]+)", text) for name in names.split(",")}
 )
 # Paths of the repository the pages name, relative to its root.
-FILES = _found(r"`((?:visattn|tests|configs|scripts|docs)/[\w./-]*\w)`")
+FILES = _found(r"`((?:visattn|tests|configs|scripts|docs|results)/[\w./-]*\w)`")
 
 
 def _slug(heading: str) -> str:

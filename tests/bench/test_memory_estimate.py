@@ -10,7 +10,7 @@ MIB = 2**20
 
 # Training steps of ViT-S/16 in bf16 at 1024 px, batch 8 (forward, backward, AdamW), peak MiB from
 # torch.cuda.max_memory_allocated: docs/results/2026-11-27-h200-benchmark.md ("Training steps"; the figures
-# are train_peak_mem_mb in docs/results/2026-11-27-h200-benchmark-files/train_1024/bench.csv), measured at
+# are train_peak_mem_mb in results/2026-11-27-h200-benchmark/train_1024/bench.csv), measured at
 # commit c5a4ad1.
 H200_TRAIN_1024_B8_PEAK_MIB = {
     "timm": 6005.6,

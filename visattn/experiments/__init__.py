@@ -1,4 +1,4 @@
-"""Grids of training runs behind the published tables (``docs/tables/``): plan them, train or resume them as
+"""Grids of training runs behind the published tables (``results/tables/``): plan them, train or resume them as
 ``train.py`` processes, read what they left, and write the tables.
 
     plan.py         rows (attention types with options), seeds, curriculum stages and variants of the data ->
