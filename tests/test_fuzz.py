@@ -29,12 +29,16 @@ import visattn
 from visattn import ops
 from visattn.layers import GridAttention, get_attention
 from visattn.layers.longformer import LongformerAttention
+from visattn.ops.axial.naive import naive_axial_attn
 from visattn.ops.layout import merge_heads, split_heads
-from visattn.ops.linformer import resample_projection
+from visattn.ops.linear.naive import naive_linear_attn
+from visattn.ops.linear.naive_decay import naive_decayed_linear_attn
+from visattn.ops.linformer import naive_linformer_attn, resample_projection
 from visattn.ops.local.naive import naive_masked_attn
-from visattn.ops.longformer import longformer_mask
-from visattn.ops.neighborhood import neighborhood_mask
-from visattn.ops.sparse import sparse_mask
+from visattn.ops.longformer import longformer_mask, naive_longformer_attn
+from visattn.ops.neighborhood import naive_neighborhood_attn, neighborhood_mask
+from visattn.ops.softmax import naive_softmax_attn
+from visattn.ops.sparse import naive_sparse_attn, sparse_mask
 
 
 def _runs_in(dtype: torch.dtype) -> bool:
@@ -291,7 +295,7 @@ def softmax_calls(draw):
         dropout_p = 1.5 if fault == "dropout_p" else 0.0
         return (
             lambda q, k, v: ops.softmax_attn(q, k, v, is_causal=causal, dropout_p=dropout_p),
-            lambda q, k, v: ops.naive_softmax_attn(q, k, v, is_causal=causal),
+            lambda q, k, v: naive_softmax_attn(q, k, v, is_causal=causal),
             fault,
         )
 
@@ -317,7 +321,7 @@ def linear_calls(draw):
             kwargs["backend"] = "blocked" if causal else "chunk"
         return (
             lambda q, k, v: ops.linear_attn(q, k, v, **kwargs),
-            lambda q, k, v: ops.naive_linear_attn(q, k, v, feature_map, causal),
+            lambda q, k, v: naive_linear_attn(q, k, v, feature_map, causal),
             bad,
         )
 
@@ -347,7 +351,7 @@ def axial_calls(draw):
             kwargs["backend"] = "flash"
         return (
             lambda q, k, v: ops.axial_attn(q, k, v, **kwargs),
-            lambda q, k, v: ops.naive_axial_attn(q, k, v, grid, p),
+            lambda q, k, v: naive_axial_attn(q, k, v, grid, p),
             bad,
         )
 
@@ -377,7 +381,7 @@ def linformer_calls(draw):
             kwargs["num_prefix_tokens"] = p + shape.patches
         return (
             lambda q, k, v: ops.linformer_attn(q, k, v, **kwargs),
-            lambda q, k, v: ops.naive_linformer_attn(q, k, v, proj_k.double(), proj_v.double(), p),
+            lambda q, k, v: naive_linformer_attn(q, k, v, proj_k.double(), proj_v.double(), p),
             bad,
         )
 
@@ -418,7 +422,7 @@ def longformer_calls(draw):
         naive_kwargs = {key: call_kwargs[key] for key in ("local", "kernel_size", "block_size", "halo")}
         return (
             lambda q, k, v: ops.longformer_attn(q, k, v, **call_kwargs),
-            lambda q, k, v: ops.naive_longformer_attn(q, k, v, grid, p, **naive_kwargs),
+            lambda q, k, v: naive_longformer_attn(q, k, v, grid, p, **naive_kwargs),
             bad,
         )
 
@@ -449,14 +453,14 @@ def grid_local_calls(draw):
             q, k, v, shape.grid, kernel_size, num_prefix_tokens=shape.prefix, tile_size=tile_size,
             dropout_p=dropout_p, backend=backend,
         )
-        naive = lambda q, k, v: ops.naive_neighborhood_attn(q, k, v, shape.grid, kernel_size, num_prefix_tokens=shape.prefix)
+        naive = lambda q, k, v: naive_neighborhood_attn(q, k, v, shape.grid, kernel_size, num_prefix_tokens=shape.prefix)
     else:
         if fault == "option":
             halo, bad = -1 - halo, "halo"
         fast = lambda q, k, v: ops.sparse_attn(
             q, k, v, shape.grid, block_size, halo, num_prefix_tokens=shape.prefix, dropout_p=dropout_p, backend=backend
         )
-        naive = lambda q, k, v: ops.naive_sparse_attn(
+        naive = lambda q, k, v: naive_sparse_attn(
             q, k, v, shape.grid, block_size, halo, num_prefix_tokens=shape.prefix
         )
     if fault == "dropout_p":
@@ -488,7 +492,7 @@ def packed_calls(draw):
         if fault == "qkv_rank":
             x = x[0]
         fast = lambda x: ops.fused_qkv_linear_attn(x, weight, bias, num_heads)
-        naive = lambda x: merge_heads(ops.naive_linear_attn(*split(F.linear(x, weight.double(), None if bias is None else bias.double()))))
+        naive = lambda x: merge_heads(naive_linear_attn(*split(F.linear(x, weight.double(), None if bias is None else bias.double()))))
         bad = {"num_heads": "num_heads", "qkv_rank": "x"}.get(fault)
         return Call(fast, naive, [x], dtype, False, bad)
     qkv_proj = make_tensor((shape.batch, 1, shape.tokens, 3 * c), dtype, draw(st.sampled_from(LAYOUTS)), gen)[:, 0]
@@ -496,10 +500,10 @@ def packed_calls(draw):
         qkv_proj = qkv_proj[0]
     if op == "packed_axial":
         fast = lambda t: ops.packed_axial_attn(t, num_heads, grid, p)
-        naive = lambda t: merge_heads(ops.naive_axial_attn(*split(t), grid, p))
+        naive = lambda t: merge_heads(naive_axial_attn(*split(t), grid, p))
     else:
         fast = lambda t: ops.packed_linear_attn(t, num_heads)[0]
-        naive = lambda t: merge_heads(ops.naive_linear_attn(*split(t)))
+        naive = lambda t: merge_heads(naive_linear_attn(*split(t)))
     bad = {"num_heads": "num_heads", "qkv_rank": "qkv"}.get(fault)
     return Call(fast, naive, [qkv_proj], dtype, grad, bad)
 
@@ -533,7 +537,7 @@ def linear_step_calls(draw):
     bad = {"q_rank": "q", "k_head_dim": "head_dim", "v_dtype": "v", "state": "state"}.get(fault)
     if fault == "state" and steps == 1:
         bad = None
-    naive = lambda q, k, v: ops.naive_linear_attn(q, k, v, feature_map, causal=True)
+    naive = lambda q, k, v: naive_linear_attn(q, k, v, feature_map, causal=True)
     return Call(walk, naive, [q, k, v], dtype, draw(st.booleans()), bad)
 
 
@@ -570,14 +574,14 @@ def _naive_mix(layer: GridAttention) -> Callable[..., torch.Tensor]:
     def mix(q, k, v, grid, attn_mask, is_causal):
         p = layer.num_prefix_tokens
         if name == "softmax":
-            return ops.naive_softmax_attn(q, k, v, is_causal=is_causal)
+            return naive_softmax_attn(q, k, v, is_causal=is_causal)
         if name == "floor":
             return v
         if name == "linear":
             if layer.spatial_decay is None:
-                out = ops.naive_linear_attn(q, k, v, layer.feature_map, causal=is_causal)
+                out = naive_linear_attn(q, k, v, layer.feature_map, causal=is_causal)
             else:
-                out = ops.naive_decayed_linear_attn(q, k, v, layer.spatial_decay(), grid, p, layer.feature_map)
+                out = naive_decayed_linear_attn(q, k, v, layer.spatial_decay(), grid, p, layer.feature_map)
             if layer.dwconv is None:
                 return out
             b, h = v.shape[:2]
@@ -586,10 +590,10 @@ def _naive_mix(layer: GridAttention) -> Callable[..., torch.Tensor]:
             merged = merge_heads(out)
             return split_heads(torch.cat([merged[:, :p], merged[:, p:] + local], dim=1), h)
         if name == "axial":
-            return ops.naive_axial_attn(q, k, v, grid, p)
+            return naive_axial_attn(q, k, v, grid, p)
         if name == "linformer":
             proj_k, proj_v = (resample_projection(w, layer.ref_grid, grid) for w in (layer.proj_k, layer.proj_v))
-            return ops.naive_linformer_attn(q, k, v, proj_k, proj_v, p)
+            return naive_linformer_attn(q, k, v, proj_k, proj_v, p)
         if isinstance(layer, LongformerAttention):
             extra = layer.num_extra_global_tokens
             if extra:

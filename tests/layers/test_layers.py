@@ -10,6 +10,7 @@ import visattn
 import visattn.ops as ops
 from tests.helpers import assert_rms_close
 from visattn.layers import GridAttention, get_attention
+from visattn.ops.linear.naive import naive_linear_attn
 
 NAMES = visattn.list_attentions()
 DIM, HEADS = 24, 3
@@ -138,7 +139,7 @@ def test_linear_causal_layer_matches_reference():
     x = _input((3, 4), 1)
     B, N, _ = x.shape
     q, k, v = layer.qkv(x).reshape(B, N, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
-    expected = layer.proj(visattn.ops.naive_linear_attn(q, k, v, causal=True).transpose(1, 2).reshape(B, N, DIM))
+    expected = layer.proj(naive_linear_attn(q, k, v, causal=True).transpose(1, 2).reshape(B, N, DIM))
     torch.testing.assert_close(layer(x, is_causal=True), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -181,7 +182,7 @@ def test_linear_locality_term_is_the_depthwise_convolution_of_v(prefix):
     x = _input(grid, prefix)
     b, n, _ = x.shape
     q, k, v = layer.qkv(x).reshape(b, n, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
-    mixed = visattn.ops.naive_linear_attn(q, k, v).transpose(1, 2).reshape(b, n, DIM)
+    mixed = naive_linear_attn(q, k, v).transpose(1, 2).reshape(b, n, DIM)
     v_img = v[:, :, prefix:].transpose(2, 3).reshape(b, DIM, *grid)  # (B, heads * d, H, W)
     local = layer.dwconv(v_img).flatten(2).transpose(1, 2)  # (B, H * W, C)
     expected = layer.proj(torch.cat([mixed[:, :prefix], mixed[:, prefix:] + local], dim=1)).detach()

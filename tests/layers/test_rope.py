@@ -9,17 +9,19 @@ import torch
 
 import visattn
 from tests.helpers import assert_rms_close
-from visattn import ops
 from visattn.bench.sweep import plan_model_sweep
 from visattn.bench.sweep_cli import parse_args as _parse
 from visattn.layers import GridAttention, get_attention
 from visattn.layers.options import options_per_type, parse_key_values
+from visattn.ops.axial.naive import naive_axial_attn
 from visattn.ops.backends import force_backend
 from visattn.ops.layout import merge_heads, split_qkv
+from visattn.ops.linear.naive import naive_linear_attn
 from visattn.ops.local.naive import naive_masked_attn
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask
 from visattn.ops.rope import naive_apply_rope
+from visattn.ops.softmax import naive_softmax_attn
 from visattn.ops.sparse import sparse_mask
 from visattn.train.attention import resolve_attention
 from visattn.train.build import build_optimizer
@@ -53,7 +55,7 @@ def _explicit(layer: GridAttention, x: torch.Tensor) -> torch.Tensor:
     q, k, v = split_qkv(layer.qkv(x), HEADS)  # (B, heads, N, d)
     table = layer.rope(grid, p, q)
     if layer.name == "linear":
-        out = ops.naive_linear_attn(q, k, v, layer.feature_map, rope=table)
+        out = naive_linear_attn(q, k, v, layer.feature_map, rope=table)
         if layer.dwconv is not None:
             local = layer.dwconv(merge_heads(v)[:, p:].transpose(1, 2).reshape(x.shape[0], DIM, *grid))
             out = merge_heads(out)
@@ -62,9 +64,9 @@ def _explicit(layer: GridAttention, x: torch.Tensor) -> torch.Tensor:
     q, k = naive_apply_rope(q, table), naive_apply_rope(k, table)
     n = q.shape[2]
     if layer.name == "softmax":
-        out = ops.naive_softmax_attn(q, k, v)
+        out = naive_softmax_attn(q, k, v)
     elif layer.name == "axial":
-        out = ops.naive_axial_attn(q, k, v, grid, p)
+        out = naive_axial_attn(q, k, v, grid, p)
     elif layer.name == "longformer":
         extra = layer.num_extra_global_tokens
         eq, ek, ev = layer.extra_qkv(x.shape[0])  # global tokens, not turned
@@ -164,7 +166,7 @@ def test_rope_needs_head_width_divisible_by_4():
 def test_linear_packed_projection_path_refuses_rope():
     layer = _layer("linear", {}, "axial")
     x = torch.randn(1, PREFIX + 15, DIM)
-    with force_backend("linear_projection", "packed"):
+    with force_backend("projected_linear", "packed"):
         with pytest.raises(ValueError, match="does not rotate; rope needs 'split'"):
             layer(x)
 

@@ -17,8 +17,9 @@ from visattn.layers import get_attention
 from visattn.layers.cost import CostCase, TokenLayout
 from visattn.layers.feature_map import LearnedFeatureMap
 from visattn.models import AttentionTransfer, convert, transfer_attention
-from visattn.ops.backends import choose_linear_projection_backend, force_backend
-from visattn.ops.linear import naive_decayed_linear_attn, naive_linear_attn
+from visattn.ops.backends import choose_projected_linear_backend, force_backend
+from visattn.ops.linear.naive import naive_linear_attn
+from visattn.ops.linear.naive_decay import naive_decayed_linear_attn
 
 LEARNED = dict(feature_map="learned", dwconv_kernel=None)
 
@@ -122,7 +123,7 @@ def test_untrained_learned_map_is_elu_plus_one_exactly():
     x = torch.randn(2, 1 + 20, 24)
     for layer in (learned, elu):
         layer.set_grid((4, 5), num_prefix_tokens=1)
-    with force_backend("linear_projection", "split"):
+    with force_backend("projected_linear", "split"):
         assert torch.equal(learned(x), elu(x))
 
 
@@ -175,12 +176,12 @@ def test_learned_map_routes_the_projection_to_split():
     layer = _perturbed_layer()
     x = torch.randn(2, 20, 24)
     with torch.no_grad():  # where feature_map="elu" would fuse the projection with the mixing
-        assert choose_linear_projection_backend(x.device, causal=False, has_qk_norm=False) == "fused_qkv"
-        assert choose_linear_projection_backend(x.device, causal=False, has_qk_norm=False, learned_map=True) == "split"
+        assert choose_projected_linear_backend(x.device, causal=False, has_qk_norm=False) == "fused_qkv"
+        assert choose_projected_linear_backend(x.device, causal=False, has_qk_norm=False, learned_map=True) == "split"
         q, k, v = layer.qkv(x).unflatten(-1, (3, 3, 8)).permute(2, 0, 3, 1, 4).unbind(0)
         assert_rms_close(layer(x), layer.proj(layer.mix(q, k, v, None, None, False).transpose(1, 2).flatten(2)), 1e-6)
         for path in ("fused_qkv", "packed"):
-            with force_backend("linear_projection", path), pytest.raises(ValueError, match="feature_map='learned' needs 'split'"):
+            with force_backend("projected_linear", path), pytest.raises(ValueError, match="feature_map='learned' needs 'split'"):
                 layer(x)
 
 

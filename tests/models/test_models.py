@@ -534,7 +534,7 @@ PRODUCTION_CASES = [pytest.param(name, {"rope": "axial"}, id=f"{name}-rope") for
 
 # What the ops choose inside a compiled graph (visattn.ops.backends), where the local types run their
 # tiled path on this grid as in eager
-COMPILED_PATHS = {"linear": "plain", "linear_projection": "split", "axial": "sdpa", "decayed_linear": "autograd"}
+COMPILED_PATHS = {"linear": "plain", "projected_linear": "split", "axial": "sdpa", "decayed_linear": "autograd"}
 
 
 @pytest.mark.compile

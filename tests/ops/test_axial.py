@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tests.helpers import assert_rms_close, grads_of
-from visattn.ops import axial_attn, naive_axial_attn, packed_axial_attn
+from visattn.ops import axial_attn, packed_axial_attn
+from visattn.ops.axial.naive import naive_axial_attn
 
 # (B, heads, H, W, prefix tokens, head_dim)
 CASES = [

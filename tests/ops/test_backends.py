@@ -14,9 +14,14 @@ from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
 from visattn.layers import get_attention
 from visattn.ops import backends, local
+from visattn.ops.axial.naive import naive_axial_attn
+from visattn.ops.linear.naive import naive_linear_attn
 from visattn.ops.local import engine
 from visattn.ops.backends import BACKENDS, force_backend
 from visattn.ops.linear.blocked import token_blocks
+from visattn.ops.longformer import naive_longformer_attn
+from visattn.ops.neighborhood import naive_neighborhood_attn
+from visattn.ops.sparse import naive_sparse_attn
 
 # (B, heads, grid, prefix tokens, head_dim): batch 1, an odd and an even batch, non-square grids, with
 # and without prefix tokens
@@ -46,7 +51,7 @@ def test_linear_paths_match_naive(b, heads, grid, p, d, backend):
     causal = backend == "chunk"
     _assert_matches(
         lambda q, k, v: ops.linear_attn(q, k, v, causal=causal, chunk_size=5, backend=backend),
-        lambda q, k, v: ops.naive_linear_attn(q, k, v, causal=causal),
+        lambda q, k, v: naive_linear_attn(q, k, v, causal=causal),
         _qkv(b, heads, grid, p, d),
         differentiable=True,
     )
@@ -57,7 +62,7 @@ def test_linear_paths_match_naive(b, heads, grid, p, d, backend):
 def test_axial_paths_match_naive(b, heads, grid, p, d, backend):
     _assert_matches(
         lambda q, k, v: ops.axial_attn(q, k, v, grid, p, backend=backend),
-        lambda q, k, v: ops.naive_axial_attn(q, k, v, grid, p),
+        lambda q, k, v: naive_axial_attn(q, k, v, grid, p),
         _qkv(b, heads, grid, p, d),
         differentiable=True,
     )
@@ -68,7 +73,7 @@ def test_axial_paths_match_naive(b, heads, grid, p, d, backend):
 def test_packed_axial_paths_match_naive(b, heads, grid, p, d, backend):
     def naive(qkv):
         q, k, v = qkv.unflatten(-1, (3, heads, d)).permute(2, 0, 3, 1, 4).unbind(0)  # timm's layout
-        return ops.naive_axial_attn(q, k, v, grid, p).transpose(1, 2).flatten(2)
+        return naive_axial_attn(q, k, v, grid, p).transpose(1, 2).flatten(2)
 
     qkv = torch.randn(b, p + grid[0] * grid[1], 3 * heads * d)
     out, (grad,) = grads_of(lambda t: ops.packed_axial_attn(t, heads, grid, p, backend=backend), qkv)
@@ -82,15 +87,15 @@ LOCAL_OPS = {
         lambda q, k, v, grid, p, backend: ops.neighborhood_attn(
             q, k, v, grid, 3, num_prefix_tokens=p, tile_size=2, backend=backend
         ),
-        lambda q, k, v, grid, p: ops.naive_neighborhood_attn(q, k, v, grid, 3, num_prefix_tokens=p),
+        lambda q, k, v, grid, p: naive_neighborhood_attn(q, k, v, grid, 3, num_prefix_tokens=p),
     ),
     "sparse": (
         lambda q, k, v, grid, p, backend: ops.sparse_attn(q, k, v, grid, 2, 1, num_prefix_tokens=p, backend=backend),
-        lambda q, k, v, grid, p: ops.naive_sparse_attn(q, k, v, grid, 2, 1, num_prefix_tokens=p),
+        lambda q, k, v, grid, p: naive_sparse_attn(q, k, v, grid, 2, 1, num_prefix_tokens=p),
     ),
     "longformer": (
         lambda q, k, v, grid, p, backend: ops.longformer_attn(q, k, v, grid, p, kernel_size=3, tile_size=2, backend=backend),
-        lambda q, k, v, grid, p: ops.naive_longformer_attn(q, k, v, grid, p, kernel_size=3),
+        lambda q, k, v, grid, p: naive_longformer_attn(q, k, v, grid, p, kernel_size=3),
     ),
 }
 
@@ -115,14 +120,14 @@ def _linear_layer_expected(layer, x, grid, p):
     b, n, c = x.shape
     q, k, v = layer.qkv(x).reshape(b, n, 3, layer.num_heads, -1).permute(2, 0, 3, 1, 4)
     q, k = layer.q_norm(q), layer.k_norm(k)
-    mixed = ops.naive_linear_attn(q, k, v).transpose(1, 2).reshape(b, n, c)
+    mixed = naive_linear_attn(q, k, v).transpose(1, 2).reshape(b, n, c)
     v_img = v[:, :, p:].transpose(2, 3).reshape(b, c, *grid)  # (B, heads * d, H, W)
     local = layer.dwconv(v_img).flatten(2).transpose(1, 2)  # (B, H * W, C)
     return layer.proj(torch.cat([mixed[:, :p], mixed[:, p:] + local], dim=1))
 
 
 # the packed path has no q/k norm (its refusal is tested below)
-PROJECTION_PATHS = [(name, norm) for name in BACKENDS["linear_projection"] for norm in (False, True) if (name, norm) != ("packed", True)]
+PROJECTION_PATHS = [(name, norm) for name in BACKENDS["projected_linear"] for norm in (False, True) if (name, norm) != ("packed", True)]
 
 
 @pytest.mark.parametrize("backend,qk_norm", PROJECTION_PATHS, ids=[f"{n}-{'qk_norm' if q else 'plain'}" for n, q in PROJECTION_PATHS])
@@ -134,7 +139,7 @@ def test_linear_layer_projection_paths_match_naive(b, heads, grid, p, d, backend
     params = list(layer.parameters())
     expected = _linear_layer_expected(layer, x, grid, p)
     expected_grads = torch.autograd.grad(expected.square().sum(), params)
-    with force_backend("linear_projection", backend):
+    with force_backend("projected_linear", backend):
         if backend == "fused_qkv":  # inference only
             with torch.no_grad():
                 assert_rms_close(layer(x), expected, 1e-5, "out")
@@ -186,11 +191,11 @@ def test_layer_paths_are_chosen_by_name(debug_log):
     layer(x)
     layer.q_norm = nn.LayerNorm(8)
     layer(x)
-    projection = [m for m in debug_log.messages if m.startswith("linear_projection")]
+    projection = [m for m in debug_log.messages if m.startswith("projected_linear")]
     assert projection == [
-        "linear_projection: fused_qkv backend (chosen)",
-        "linear_projection: packed backend (chosen)",
-        "linear_projection: split backend (chosen)",
+        "projected_linear: fused_qkv backend (chosen)",
+        "projected_linear: packed backend (chosen)",
+        "projected_linear: split backend (chosen)",
     ]
 
 
@@ -224,9 +229,9 @@ def test_bad_backends_raise():
     with pytest.raises(ValueError, match="'chunked' has no autograd"):
         ops.sparse_attn(*(t.detach().requires_grad_(True) for t in (q, k, v)), (3, 4), 2, 1, backend="chunked")
     layer = get_attention("linear")(16, 2, qk_norm=True, norm_layer=nn.LayerNorm, dwconv_kernel=None)
-    with force_backend("linear_projection", "packed"), pytest.raises(ValueError, match="no q/k norm"):
+    with force_backend("projected_linear", "packed"), pytest.raises(ValueError, match="no q/k norm"):
         layer(torch.randn(1, 5, 16))
-    with force_backend("linear_projection", "fused_qkv"), pytest.raises(ValueError, match="is_causal=True needs 'split'"):
+    with force_backend("projected_linear", "fused_qkv"), pytest.raises(ValueError, match="causal=True needs 'split'"):
         layer(torch.randn(1, 5, 16), is_causal=True)
 
 
@@ -245,10 +250,10 @@ def test_each_device_gets_its_path():
     assert backends.choose_linear_backend(cpu, causal=False, needs_grad=True) == "blocked"
     assert backends.choose_linear_backend(cpu, causal=False, rope_needs_grad=True, needs_grad=True) == "plain"
     with torch.no_grad():
-        assert backends.choose_linear_projection_backend(cpu, False, has_qk_norm=False) == "fused_qkv"
-        assert backends.choose_linear_projection_backend(other, False, has_qk_norm=False) == "split"
-    assert backends.choose_linear_projection_backend(cpu, False, has_qk_norm=False) == "packed"
-    assert backends.choose_linear_projection_backend(other, False, has_qk_norm=False) == "split"
+        assert backends.choose_projected_linear_backend(cpu, False, has_qk_norm=False) == "fused_qkv"
+        assert backends.choose_projected_linear_backend(other, False, has_qk_norm=False) == "split"
+    assert backends.choose_projected_linear_backend(cpu, False, has_qk_norm=False) == "packed"
+    assert backends.choose_projected_linear_backend(other, False, has_qk_norm=False) == "split"
     assert backends.choose_axial_backend(cpu, 0.0, needs_grad=True) == "cpu_kernels"
     assert backends.choose_axial_backend(cpu, 0.1, needs_grad=True) == "sdpa_checkpoint"
     assert backends.choose_axial_backend(other, 0.0, needs_grad=True) == "sdpa"

@@ -15,8 +15,15 @@ import torch
 
 from tests.helpers import assert_rms_close
 from visattn import ops
+from visattn.ops.axial.naive import naive_axial_attn
+from visattn.ops.linear.naive import naive_linear_attn
+from visattn.ops.linear.naive_decay import naive_decayed_linear_attn
 from visattn.ops.linear.plain import KV_CHUNK
-from visattn.ops.linformer import resample_projection
+from visattn.ops.linformer import naive_linformer_attn, resample_projection
+from visattn.ops.longformer import naive_longformer_attn
+from visattn.ops.neighborhood import naive_neighborhood_attn
+from visattn.ops.softmax import naive_softmax_attn
+from visattn.ops.sparse import naive_sparse_attn
 
 pytestmark = pytest.mark.cuda
 
@@ -56,39 +63,39 @@ def _projections() -> tuple[torch.Tensor, torch.Tensor]:
 P = PREFIX
 LOCAL = [
     ("neighborhood", lambda b: lambda q, k, v: ops.neighborhood_attn(q, k, v, GRID, 5, num_prefix_tokens=P, tile_size=4, backend=b),
-     lambda q, k, v: ops.naive_neighborhood_attn(q, k, v, GRID, 5, num_prefix_tokens=P)),
+     lambda q, k, v: naive_neighborhood_attn(q, k, v, GRID, 5, num_prefix_tokens=P)),
     ("sparse", lambda b: lambda q, k, v: ops.sparse_attn(q, k, v, GRID, 4, 1, num_prefix_tokens=P, backend=b),
-     lambda q, k, v: ops.naive_sparse_attn(q, k, v, GRID, 4, 1, num_prefix_tokens=P)),
+     lambda q, k, v: naive_sparse_attn(q, k, v, GRID, 4, 1, num_prefix_tokens=P)),
     ("longformer", lambda b: lambda q, k, v: ops.longformer_attn(q, k, v, GRID, P, kernel_size=5, tile_size=4, backend=b),
-     lambda q, k, v: ops.naive_longformer_attn(q, k, v, GRID, P, kernel_size=5)),
+     lambda q, k, v: naive_longformer_attn(q, k, v, GRID, P, kernel_size=5)),
 ]
 
 
 def _cases() -> list[OpCase]:
     cases = [
-        OpCase("softmax", lambda q, k, v: ops.softmax_attn(q, k, v), lambda q, k, v: ops.naive_softmax_attn(q, k, v)),
+        OpCase("softmax", lambda q, k, v: ops.softmax_attn(q, k, v), lambda q, k, v: naive_softmax_attn(q, k, v)),
         OpCase("softmax-causal", lambda q, k, v: ops.softmax_attn(q, k, v, is_causal=True),
-               lambda q, k, v: ops.naive_softmax_attn(q, k, v, is_causal=True)),
+               lambda q, k, v: naive_softmax_attn(q, k, v, is_causal=True)),
         OpCase("linear-chunk-causal", lambda q, k, v: ops.linear_attn(q, k, v, causal=True, chunk_size=40, backend="chunk"),
-               lambda q, k, v: ops.naive_linear_attn(q, k, v, causal=True)),
+               lambda q, k, v: naive_linear_attn(q, k, v, causal=True)),
         OpCase("linformer", lambda q, k, v: ops.linformer_attn(q, k, v, *_projections(), num_prefix_tokens=P),
-               lambda q, k, v: ops.naive_linformer_attn(q, k, v, *(t.double() for t in _projections()), num_prefix_tokens=P)),
+               lambda q, k, v: naive_linformer_attn(q, k, v, *(t.double() for t in _projections()), num_prefix_tokens=P)),
     ]
     for backend in (None, "plain", "plain_checkpoint"):
         cases.append(OpCase(f"linear-{backend or 'chosen'}", lambda q, k, v, b=backend: ops.linear_attn(q, k, v, backend=b),
-                            lambda q, k, v: ops.naive_linear_attn(q, k, v)))
+                            lambda q, k, v: naive_linear_attn(q, k, v)))
     for tokens in (None, 2 * KV_CHUNK + 37):  # a tail only; whole chunks and a tail
         cases.append(OpCase(f"linear-plain-inference-N{tokens or 'grid'}", lambda q, k, v: ops.linear_attn(q, k, v, backend="plain"),
-                            lambda q, k, v: ops.naive_linear_attn(q, k, v), dtypes=(torch.bfloat16,), grad=False, tokens=tokens))
+                            lambda q, k, v: naive_linear_attn(q, k, v), dtypes=(torch.bfloat16,), grad=False, tokens=tokens))
     for backend in (None, "rerun", "autograd"):
         cases.append(OpCase(
             f"decayed_linear-{backend or 'chosen'}",
             lambda q, k, v, b=backend: ops.decayed_linear_attn(q, k, v, _gamma().float(), GRID, P, tile_size=4, backend=b),
-            lambda q, k, v: ops.naive_decayed_linear_attn(q, k, v, _gamma(), GRID, P),
+            lambda q, k, v: naive_decayed_linear_attn(q, k, v, _gamma(), GRID, P),
         ))
     for backend in (None, "sdpa", "sdpa_checkpoint"):
         cases.append(OpCase(f"axial-{backend or 'chosen'}", lambda q, k, v, b=backend: ops.axial_attn(q, k, v, GRID, P, backend=b),
-                            lambda q, k, v: ops.naive_axial_attn(q, k, v, GRID, P)))
+                            lambda q, k, v: naive_axial_attn(q, k, v, GRID, P)))
     for name, fast, naive in LOCAL:
         for backend in ("gathered", "dense"):
             cases.append(OpCase(f"{name}-{backend}", fast(backend), naive))

@@ -5,6 +5,7 @@ from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
 from visattn.ops.backends import force_backend
 from visattn.ops.linear import FEATURE_MAPS, blocked, fused_qkv_linear_attn, packed_linear_attn
+from visattn.ops.linear.naive import naive_linear_attn
 from visattn.ops.linear.plain import KV_CHUNK
 from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
 
@@ -22,7 +23,7 @@ def _qkv(shape, dtype=torch.float32):
 def test_linear_matches_reference_fp32(shape, causal, feature_map):
     q, k, v = _qkv(shape)
     out, grads = grads_of(lambda q, k, v: ops.linear_attn(q, k, v, feature_map=feature_map, causal=causal, chunk_size=16), q, k, v)
-    ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, feature_map=feature_map, causal=causal), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: naive_linear_attn(q, k, v, feature_map=feature_map, causal=causal), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -32,7 +33,7 @@ def test_linear_matches_reference_fp32(shape, causal, feature_map):
 def test_causal_result_independent_of_chunk_size(chunk_size):
     q, k, v = _qkv((2, 2, 50, 8))
     out, grads = grads_of(lambda q, k, v: ops.linear_attn(q, k, v, causal=True, chunk_size=chunk_size), q, k, v)
-    ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, causal=True), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: naive_linear_attn(q, k, v, causal=True), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for g, g_ref in zip(grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, "grad")
@@ -46,7 +47,7 @@ def test_causal_chunked_equals_recurrent_steps():
         out_t, state = ops.linear_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], state)
         steps.append(out_t)
     assert_rms_close(torch.stack(steps, dim=2), chunked, 1e-5, "recurrent vs chunked")
-    assert_rms_close(chunked, ops.naive_linear_attn(q, k, v, causal=True), 1e-5, "chunked vs masked reference")
+    assert_rms_close(chunked, naive_linear_attn(q, k, v, causal=True), 1e-5, "chunked vs masked reference")
 
 
 def test_causal_first_token_sees_only_itself():
@@ -67,14 +68,14 @@ def test_bf16_close_to_fp32_reference(causal):
     q, k, v = _qkv((2, 2, 70, 16))
     out = ops.linear_attn(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal, chunk_size=16)
     assert out.dtype == torch.bfloat16
-    assert_rms_close(out.float(), ops.naive_linear_attn(q, k, v, causal=causal), 2e-2, "bf16")
+    assert_rms_close(out.float(), naive_linear_attn(q, k, v, causal=causal), 2e-2, "bf16")
 
 
 def test_autocast_bf16_keeps_fp32_sums():
     q, k, v = _qkv((1, 2, 40, 8))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = ops.linear_attn(q, k, v)
-    assert_rms_close(out.float(), ops.naive_linear_attn(q, k, v), 1e-5, "fp32 inputs under autocast stay fp32")
+    assert_rms_close(out.float(), naive_linear_attn(q, k, v), 1e-5, "fp32 inputs under autocast stay fp32")
 
 
 def test_long_sequence_bf16_is_finite_and_close_to_fp32():
@@ -127,7 +128,7 @@ def small_blocks(monkeypatch):
 def test_noncausal_blocks_match_reference(shape, feature_map, small_blocks):
     q, k, v = _qkv(shape)
     out, grads = grads_of(lambda q, k, v: ops.linear_attn(q, k, v, feature_map=feature_map), q, k, v)
-    ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, feature_map=feature_map), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: naive_linear_attn(q, k, v, feature_map=feature_map), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -157,7 +158,7 @@ def test_noncausal_blocks_with_rope_match_reference(shape, feature_map, per_head
             return ops.linear_attn(q, k, v, feature_map=feature_map, rope=table)
 
     out, grads = grads_of(blocked_op, q, k, v)
-    ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, feature_map, rope=table), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: naive_linear_attn(q, k, v, feature_map, rope=table), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -194,7 +195,7 @@ def test_noncausal_blocks_clamp_the_normalizer_as_the_reference(shape, small_blo
     eps = float((ranked[i] * ranked[i + 1]).sqrt())
     assert 0 < float(den.min()) < eps < float(den.max())
     out, grads = grads_of(lambda q, k, v: ops.linear_attn(q, k, v, eps=eps, backend="blocked"), q, k, v)
-    ref, ref_grads = grads_of(lambda q, k, v: ops.naive_linear_attn(q, k, v, eps=eps), q, k, v)
+    ref, ref_grads = grads_of(lambda q, k, v: naive_linear_attn(q, k, v, eps=eps), q, k, v)
     assert_rms_close(out, ref, 1e-5, "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert_rms_close(g, g_ref, 1e-5, f"d{name}")
@@ -250,7 +251,7 @@ def test_packed_equals_split_heads(b, n, heads, feature_map, small_blocks):
 
     def split_then_linear(qkv):
         q, k, v = _split(qkv, heads)
-        return ops.naive_linear_attn(q, k, v, feature_map=feature_map).transpose(1, 2).flatten(2)
+        return naive_linear_attn(q, k, v, feature_map=feature_map).transpose(1, 2).flatten(2)
 
     out, (grad,) = grads_of(lambda t: packed_linear_attn(t, heads, feature_map)[0], qkv)
     ref, (ref_grad,) = grads_of(split_then_linear, qkv)
@@ -289,7 +290,7 @@ def test_packed_values_are_the_projection_values_with_their_gradient():
 
     def reference(qkv):
         q, k, v = _split(qkv, 2)
-        return ops.naive_linear_attn(q, k, v).transpose(1, 2).flatten(2) + qkv[..., 32:] * weight
+        return naive_linear_attn(q, k, v).transpose(1, 2).flatten(2) + qkv[..., 32:] * weight
 
     out, (grad,) = grads_of(through_values, qkv)
     ref, (ref_grad,) = grads_of(reference, qkv)
@@ -320,7 +321,7 @@ def test_from_input_equals_projection_then_linear(feature_map, norms, bias, smal
     q, k, v = _split(torch.nn.functional.linear(x, weight, qkv_bias), heads)
     if norm is not None:
         q, k = norm(q), norm(k)
-    expected = ops.naive_linear_attn(q, k, v, feature_map=feature_map).transpose(1, 2).flatten(2)
+    expected = naive_linear_attn(q, k, v, feature_map=feature_map).transpose(1, 2).flatten(2)
     with torch.no_grad():
         out = fused_qkv_linear_attn(x, weight, qkv_bias, heads, feature_map, q_norm=norm, k_norm=norm)
     assert_rms_close(out, expected, 1e-5, "out")
@@ -334,7 +335,7 @@ def test_from_input_blocks_and_kept_values(b, n, small_blocks):
     x, weight, qkv_bias = torch.randn(b, n, c_in), torch.randn(3 * heads * d, c_in) / c_in**0.5, torch.randn(3 * heads * d)
     projection = torch.nn.functional.linear(x, weight, qkv_bias)
     q, k, v = _split(projection, heads)
-    expected = ops.naive_linear_attn(q, k, v).transpose(1, 2).flatten(2)
+    expected = naive_linear_attn(q, k, v).transpose(1, 2).flatten(2)
     with torch.no_grad():
         out, values = fused_qkv_linear_attn(x, weight, qkv_bias, heads, keep_values=True)
     assert len(blocked.token_blocks(b, n, heads * (d + 1), x.device)) > 1

@@ -13,7 +13,8 @@ from visattn.layers.linear import decayed_linear_flops
 from visattn.ops import backends
 from visattn.ops.backends import BACKENDS, force_backend
 from visattn.ops.linear import decay
-from visattn.ops.linear.naive_decay import manhattan_decay
+from visattn.ops.linear.naive import naive_linear_attn
+from visattn.ops.linear.naive_decay import manhattan_decay, naive_decayed_linear_attn
 from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
 
 # (batch, heads, grid, prefix tokens, head_dim, tile): several tiles per axis with a partial last one, a
@@ -48,7 +49,7 @@ def _check_against_naive(case, gammas, dtype, tol, backend, feature_map="elu"):
         *inputs,
     )
     ref, ref_grads = grads_of(
-        lambda q, k, v, g: ops.naive_decayed_linear_attn(q, k, v, g, grid, prefix, feature_map=feature_map),
+        lambda q, k, v, g: naive_decayed_linear_attn(q, k, v, g, grid, prefix, feature_map=feature_map),
         *(t.double() for t in inputs),
     )
     assert out.dtype == dtype
@@ -86,7 +87,7 @@ def test_result_does_not_depend_on_tile_or_heads_taken_at_once(tile, monkeypatch
 def test_rate_one_is_plain_linear_attention():
     q, k, v, _ = _inputs(3, 2, (6, 5), 2, 4, torch.float64, GAMMAS["rmt"])
     out = ops.decayed_linear_attn(q, k, v, torch.ones(2, dtype=torch.float64), (6, 5), 2, tile_size=4)
-    assert_rms_close(out, ops.naive_linear_attn(q, k, v), 1e-12, "gamma = 1")
+    assert_rms_close(out, naive_linear_attn(q, k, v), 1e-12, "gamma = 1")
 
 
 def test_hand_checked_row():
@@ -127,7 +128,7 @@ def test_manhattan_decay_weights():
 
 def test_bf16_and_autocast_compute_in_fp32():
     q, k, v, gamma = _inputs(2, 3, (5, 6), 1, 8, torch.float32, GAMMAS["rmt"])
-    expected = ops.naive_decayed_linear_attn(q, k, v, gamma, (5, 6), 1)
+    expected = naive_decayed_linear_attn(q, k, v, gamma, (5, 6), 1)
     out = ops.decayed_linear_attn(q.bfloat16(), k.bfloat16(), v.bfloat16(), gamma, (5, 6), 1, tile_size=4)
     assert out.dtype == torch.bfloat16
     assert_rms_close(out.float(), expected, 2e-2, "bf16")
@@ -252,7 +253,7 @@ def test_rope_turns_the_numerator_only(mode, backend):
         *inputs,
     )
     ref, ref_grads = grads_of(
-        lambda q, k, v, g, *f: ops.naive_decayed_linear_attn(q, k, v, g, grid, prefix, rope=table(*f)), *inputs
+        lambda q, k, v, g, *f: naive_decayed_linear_attn(q, k, v, g, grid, prefix, rope=table(*f)), *inputs
     )
     assert_rms_close(out, ref, 1e-10, "out")
     for name, g, g_ref in zip(["dq", "dk", "dv", "dgamma"], grads, ref_grads):

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import assert_rms_close, grads_of
-from visattn.ops import linformer_attn, naive_linformer_attn, resample_projection
-from visattn.ops.linformer import area_pooling_projection, project_keys_values
+from visattn.ops import linformer_attn, resample_projection
+from visattn.ops.linformer import area_pooling_projection, naive_linformer_attn, project_keys_values
 
 REF_GRID = (5, 4)
 # (B, heads, H, W, prefix tokens, projected tokens k); the projection lives on REF_GRID and is resampled

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.helpers import assert_rms_close, grads_of
-from visattn.ops import longformer_attn, naive_longformer_attn, neighborhood_attn, sparse_attn
-from visattn.ops.longformer import longformer_mask
+from visattn.ops import longformer_attn, neighborhood_attn, sparse_attn
+from visattn.ops.longformer import longformer_mask, naive_longformer_attn
 
 # (B, heads, H, W, global tokens, local, window options, head_dim)
 CASES = [

@@ -11,9 +11,13 @@ from hypothesis import strategies as st
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn import ops
+from visattn.ops.axial.naive import naive_axial_attn
 from visattn.ops.backends import force_backend, select_backend
 from visattn.ops import rope as rope_module
 from visattn.ops.linear import functional as linear_functional
+from visattn.ops.linear.naive import naive_linear_attn
+from visattn.ops.longformer import naive_longformer_attn
+from visattn.ops.neighborhood import naive_neighborhood_attn
 from visattn.ops.rope import (
     AXIAL_THETA,
     apply_rope,
@@ -24,6 +28,8 @@ from visattn.ops.rope import (
     mixed_rope,
     naive_apply_rope,
 )
+from visattn.ops.softmax import naive_softmax_attn
+from visattn.ops.sparse import naive_sparse_attn
 
 MODES = ["axial", "mixed"]
 
@@ -193,26 +199,26 @@ GRID, D, HEADS, P = (3, 5), 8, 2, 2
 
 # op name -> (prefix tokens it takes, fast op, naive twin), each on rotated q, k and v (B, h, N, d)
 OPS = {
-    "softmax": (P, ops.softmax_attn, ops.naive_softmax_attn),
+    "softmax": (P, ops.softmax_attn, naive_softmax_attn),
     "neighborhood": (
         P,
         lambda q, k, v: ops.neighborhood_attn(q, k, v, GRID, 3, num_prefix_tokens=P, tile_size=2),
-        lambda q, k, v: ops.naive_neighborhood_attn(q, k, v, GRID, 3, num_prefix_tokens=P),
+        lambda q, k, v: naive_neighborhood_attn(q, k, v, GRID, 3, num_prefix_tokens=P),
     ),
     "sparse": (
         P,
         lambda q, k, v: ops.sparse_attn(q, k, v, GRID, 2, 1, num_prefix_tokens=P),
-        lambda q, k, v: ops.naive_sparse_attn(q, k, v, GRID, 2, 1, num_prefix_tokens=P),
+        lambda q, k, v: naive_sparse_attn(q, k, v, GRID, 2, 1, num_prefix_tokens=P),
     ),
     "longformer": (
         P,
         lambda q, k, v: ops.longformer_attn(q, k, v, GRID, P, kernel_size=3, tile_size=2),
-        lambda q, k, v: ops.naive_longformer_attn(q, k, v, GRID, P, kernel_size=3),
+        lambda q, k, v: naive_longformer_attn(q, k, v, GRID, P, kernel_size=3),
     ),
     "axial": (
         P,
         lambda q, k, v: ops.axial_attn(q, k, v, GRID, P),
-        lambda q, k, v: ops.naive_axial_attn(q, k, v, GRID, P),
+        lambda q, k, v: naive_axial_attn(q, k, v, GRID, P),
     ),
 }
 
@@ -257,7 +263,7 @@ def test_linear_with_rope_matches_naive_twin(feature_map, backend, causal, mode,
 
     def naive(q, k, v, freqs):
         table = _table(mode, GRID, D, HEADS, P, freqs)
-        return ops.naive_linear_attn(q, k, v, feature_map, causal=causal, rope=table)
+        return naive_linear_attn(q, k, v, feature_map, causal=causal, rope=table)
 
     out, grads = grads_of(fast, q, k, v, freqs)
     ref, ref_grads = grads_of(naive, q, k, v, freqs)
@@ -277,7 +283,7 @@ def test_linear_rope_turns_the_numerator_and_leaves_the_normalizer():
     numerator = torch.einsum("bhid,bhjd,bhje->bhie", rq, rk, v)
     normalizer = torch.einsum("bhid,bhjd->bhi", phi_q, phi_k)[..., None]
     assert bool((normalizer > 0).all())
-    assert_rms_close(ops.naive_linear_attn(q, k, v, rope=table), numerator / normalizer, 1e-12, "naive twin")
+    assert_rms_close(naive_linear_attn(q, k, v, rope=table), numerator / normalizer, 1e-12, "naive twin")
     assert_rms_close(ops.linear_attn(q, k, v, rope=table), numerator / normalizer, 1e-5, "op")
 
 

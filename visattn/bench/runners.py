@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from visattn.bench.sweep import DTYPES, EXPLICIT_SOFTMAX, Case, build_layer, build_model
 from visattn.layers import GridAttention
-from visattn.ops import naive_softmax_attn
+from visattn.ops.softmax import naive_softmax_attn
 
 
 class Runner(ABC):

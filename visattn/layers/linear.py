@@ -14,10 +14,10 @@ from visattn.layers.decay import SpatialDecay, check_decay_option
 from visattn.layers.feature_map import (
     LEARNED_BASE_MAP, LEARNED_FEATURE_MAP, LearnedFeatureMap, check_feature_map_option,
 )
-from visattn.ops.backends import choose_linear_projection_backend, select_backend
-from visattn.ops.layout import image_to_tokens, merge_heads, split_heads, split_prefix, tokens_to_image
-from visattn.ops.linear import decayed_linear_attn, fused_qkv_linear_attn, linear_attn, packed_linear_attn
+from visattn.ops.layout import merge_heads, split_heads
+from visattn.ops.linear import decayed_linear_attn, linear_attn, projected_linear_attn
 from visattn.ops.linear.decay import TILE_SIZE
+from visattn.ops.linear.locality import add_locality
 
 
 class LinearAttention(GridAttention):
@@ -82,43 +82,21 @@ class LinearAttention(GridAttention):
         return self.dwconv is not None or self.spatial_decay is not None
 
     def project_and_mix(self, x, grid, attn_mask, is_causal) -> torch.Tensor:
-        """On the path :func:`visattn.ops.backends.choose_linear_projection_backend` picks (force one with
-        ``force_backend("linear_projection", ...)``): ``"fused_qkv"`` fuses the mixing with the qkv
-        projection block by block of tokens (:func:`visattn.ops.linear.fused_qkv_linear_attn`, inference
-        only), so the (B, N, 3 C) projection is never formed; ``"packed"`` runs on the projection itself
-        (:func:`visattn.ops.linear.packed_linear_attn`, no q/k norm), whose gradient then comes back in
-        one piece; ``"split"`` splits the heads and calls :meth:`mix`. With ``decay`` the layer always
-        splits: the other paths compute attention without it; so does a learned feature map, which the
-        layer applies to the split heads."""
+        """The qkv projection, the mixing and the locality term in one op,
+        :func:`visattn.ops.linear.projected_linear_attn`, on the path it picks (force one with
+        ``force_backend("projected_linear", ...)``). With ``decay``, the heads split from the projection and
+        :meth:`mix`, which runs the decayed op."""
         if self.spatial_decay is not None:
             return super().project_and_mix(x, grid, attn_mask, is_causal)
-        has_qk_norm = not (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity))
-        rotated = self.rope is not None
-        learned = self.learned_map is not None
-        name = select_backend(
-            "linear_projection", None,
-            lambda: choose_linear_projection_backend(x.device, is_causal, has_qk_norm, rotated, learned_map=learned),
+        dwconv = self.dwconv
+        return projected_linear_attn(
+            x, self.qkv.weight, self.qkv.bias, self.num_heads, self.op_feature_map,
+            causal=is_causal, chunk_size=self.chunk_size,
+            rope=None if self.rope is None else self.rope(grid, self.num_prefix_tokens, x),
+            grid=grid, num_prefix_tokens=self.num_prefix_tokens,
+            conv_weight=None if dwconv is None else dwconv.weight, conv_bias=None if dwconv is None else dwconv.bias,
+            q_norm=_unless_identity(self.q_norm), k_norm=_unless_identity(self.k_norm), qk_map=self.learned_map,
         )
-        if name != "split" and is_causal:
-            raise ValueError(f"linear: the {name!r} projection path is non-causal; is_causal=True needs 'split'")
-        if name != "split" and rotated:
-            raise ValueError(f"linear: the {name!r} projection path does not rotate; rope needs 'split'")
-        if name != "split" and learned:
-            raise ValueError(
-                f"linear: the {name!r} projection path has no learned feature map; feature_map='learned' needs 'split'"
-            )
-        if name == "fused_qkv":
-            out, values = fused_qkv_linear_attn(
-                x, self.qkv.weight, self.qkv.bias, self.num_heads, self.op_feature_map,
-                q_norm=self.q_norm, k_norm=self.k_norm, keep_values=True,
-            )
-        elif name == "packed":
-            if has_qk_norm:
-                raise ValueError("linear: the 'packed' projection path has no q/k norm; use 'split' or 'fused_qkv'")
-            out, values = packed_linear_attn(self.qkv(x), self.num_heads, self.op_feature_map)
-        else:
-            return super().project_and_mix(x, grid, attn_mask, is_causal)
-        return self._add_locality(out, values, grid)
 
     def mix(self, q, k, v, grid, attn_mask, is_causal) -> torch.Tensor:
         if is_causal and self.dwconv is not None:
@@ -139,26 +117,15 @@ class LinearAttention(GridAttention):
         if self.dwconv is None:
             return out
         # (B, N, C): a view when the op's output is token-major, a copy otherwise (the plain path)
-        merged = self._add_locality(merge_heads(out), merge_heads(v), grid)
+        merged = add_locality(
+            merge_heads(out), merge_heads(v), grid, self.num_prefix_tokens, self.dwconv.weight, self.dwconv.bias
+        )
         return split_heads(merged, self.num_heads)
 
     def rotate(self, q, k, grid) -> tuple[torch.Tensor, torch.Tensor]:
         """Unchanged: :meth:`mix` hands the rope table to the op, which rotates the features of the
         numerator only."""
         return q, k
-
-    def _add_locality(self, out: torch.Tensor, values: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
-        """Adds the depthwise convolution of the patch values over the grid to the patch outputs, in place.
-
-        out, values: (B, N, C), token-major; the values seen as (B, C, H, W) are channels-last, the layout
-        in which the convolution is fastest, and so is its output, which is added back as tokens.
-        """
-        if self.dwconv is None:
-            return out
-        _, patch_values = split_prefix(values, self.num_prefix_tokens, dim=1)
-        _, patch_out = split_prefix(out, self.num_prefix_tokens, dim=1)  # a view: added to in place
-        patch_out += image_to_tokens(self.dwconv(tokens_to_image(patch_values, grid)))  # (B, H * W, C)
-        return out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", feature_map={self.feature_map!r}"
@@ -211,6 +178,11 @@ class LinearAttention(GridAttention):
             infer += 2 * n * c * act_bytes
             train += 2 * n * c * act_bytes
         return MixingMemory(infer=infer, train=train)
+
+
+def _unless_identity(norm: nn.Module) -> nn.Module | None:
+    """A q or k norm as the op takes it: None where the layer has none (``nn.Identity``)."""
+    return None if isinstance(norm, nn.Identity) else norm
 
 
 def decayed_linear_flops(

@@ -32,9 +32,10 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     # such product; training keeps only its inputs), or by autograd through the tiled product (faster; on a
     # grid of several tiles it keeps about as much as a d x d state per token and head)
     "decayed_linear": ("rerun", "autograd"),
-    # the linear layer's qkv projection + mixing: fused block by block (inference), the blocked op on
-    # the packed projection (training), or the projection split into heads, then linear_attn
-    "linear_projection": ("fused_qkv", "packed", "split"),
+    # visattn.ops.linear.projected_linear_attn, the linear layer's qkv projection + mixing: fused block by
+    # block (inference), the blocked op on the packed projection (training), or the projection split into
+    # heads, then linear_attn
+    "projected_linear": ("fused_qkv", "packed", "split"),
     # visattn.ops.axial_attn: the CPU's fused SDPA kernels with a hand-written backward, plain SDPA
     # (autograd through it), plain SDPA recomputed in the backward (activation checkpointing)
     "axial": ("cpu_kernels", "sdpa", "sdpa_checkpoint"),
@@ -124,15 +125,15 @@ def choose_decayed_linear_backend(single_tile: bool) -> str:
     return "autograd" if single_tile or torch.compiler.is_compiling() else "rerun"
 
 
-def choose_linear_projection_backend(
+def choose_projected_linear_backend(
     device: torch.device, causal: bool, has_qk_norm: bool, rotated: bool = False, learned_map: bool = False
 ) -> str:
-    """Causal, compiled, off the CPU (the fused and packed paths walk the CPU's cache-sized blocks),
-    ``rotated`` (rope, which the op applies from a table of the split heads) or ``learned_map`` (a learned
-    feature map, a per-head matrix the layer applies to the split q and k): split the projection and
-    call the op. Without autograd, fuse the projection with the mixing. With autograd and no q/k norm,
-    run on the packed projection (its gradient comes back in one piece); a q/k norm sits between
-    projection and mixing, so then split."""
+    """The path of :func:`visattn.ops.linear.projected_linear_attn`. Causal, compiled, off the CPU (the fused
+    and packed paths walk the CPU's cache-sized blocks), ``rotated`` (rope, which linear_attn applies from
+    a table of the split heads) or ``learned_map`` (a learned feature map, a per-head matrix applied to the
+    split q and k): split the projection and call linear_attn. Without autograd, fuse the projection with
+    the mixing. With autograd and no q/k norm, run on the packed projection (its gradient comes back in
+    one piece); a q/k norm sits between projection and mixing, so then split."""
     if causal or rotated or learned_map or not _eager_on_cpu(device):
         return "split"
     if not torch.is_grad_enabled():

@@ -41,6 +41,24 @@ def check_packed_qkv(qkv: torch.Tensor, num_heads: int, op: str) -> None:
     check_same_float_tensors(op, qkv=qkv)
 
 
+def check_qkv_projection(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, op: str
+) -> None:
+    """x (B, N, C_in) and timm's qkv projection: weight (3 C, C_in) with C divisible by num_heads, bias (3 C,)
+    or None."""
+    if x.ndim != 3:
+        raise ValueError(f"{op}: x must be (B, N, C_in), got shape {tuple(x.shape)}")
+    if weight.ndim != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] % 3:
+        raise ValueError(
+            f"{op}: qkv_weight must be (3 C, C_in) with C_in={x.shape[-1]}, got shape {tuple(weight.shape)}"
+        )
+    check_positive_int(num_heads, "num_heads", op)
+    if (weight.shape[0] // 3) % num_heads:
+        raise ValueError(f"{op}: num_heads={num_heads} must divide C={weight.shape[0] // 3}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{op}: qkv_bias must be None or ({weight.shape[0]},), got shape {tuple(bias.shape)}")
+
+
 def check_grid_size(grid: tuple[int, int], name: str, op: str) -> tuple[int, int]:
     """A grid must be (H, W) of integers H, W >= 1; returns it as two ints."""
     try:

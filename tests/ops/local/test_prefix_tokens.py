@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from tests.helpers import assert_rms_close, grads_of
-from visattn.ops import naive_neighborhood_attn, naive_sparse_attn, neighborhood_attn, sparse_attn
+from visattn.ops import neighborhood_attn, sparse_attn
 from visattn.ops.backends import BACKENDS
+from visattn.ops.neighborhood import naive_neighborhood_attn
+from visattn.ops.sparse import naive_sparse_attn
 
 # the flex path runs FlexAttention eagerly on the CPU, which says it is unfused
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

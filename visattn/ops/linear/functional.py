@@ -32,10 +32,10 @@ def linear_attn(
         causal: each token attends to itself and earlier tokens (raster order).
         chunk_size: tokens per chunk of the causal form.
         eps: lower bound of the normalizer ``phi(q_i) . sum_j phi(k_j)``.
-        backend: ``"blocked"`` (:func:`visattn.ops.linear.blocked_linear_attn`), ``"plain"``
-            (:func:`visattn.ops.linear.plain_linear_attn`) or ``"plain_checkpoint"`` (the same, recomputed
+        backend: ``"blocked"`` (:func:`visattn.ops.linear.blocked.blocked_linear_attn`), ``"plain"``
+            (:func:`visattn.ops.linear.plain.plain_linear_attn`) or ``"plain_checkpoint"`` (the same, recomputed
             in the backward) when non-causal, ``"chunk"``
-            (:func:`visattn.ops.linear.chunk_linear_attn`) when causal; None: chosen by
+            (:func:`visattn.ops.linear.chunk.chunk_linear_attn`) when causal; None: chosen by
             :func:`visattn.ops.backends.choose_linear_backend`.
         rope: a rotation table, (N, 2 d) or (heads, N, 2 d) (:mod:`visattn.ops.rope`): the features are
             rotated after the feature map, in the numerator only (RoFormer's linear attention,

@@ -7,25 +7,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from visattn.ops.checks import check_positive_int
+from visattn.ops.checks import check_qkv_projection
 from visattn.ops.layout import split_heads
 from visattn.ops.linear.blocked import Block, TokenBlocks, attend, kv_state
 from visattn.ops.linear.feature_maps import get_feature_map
-
-
-def _check_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> None:
-    op = "fused_qkv_linear_attn"
-    if x.ndim != 3:
-        raise ValueError(f"{op}: x must be (B, N, C_in), got shape {tuple(x.shape)}")
-    if weight.ndim != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] % 3:
-        raise ValueError(
-            f"{op}: qkv_weight must be (3 C, C_in) with C_in={x.shape[-1]}, got shape {tuple(weight.shape)}"
-        )
-    check_positive_int(num_heads, "num_heads", op)
-    if (weight.shape[0] // 3) % num_heads:
-        raise ValueError(f"{op}: num_heads={num_heads} must divide C={weight.shape[0] // 3}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{op}: qkv_bias must be None or ({weight.shape[0]},), got shape {tuple(bias.shape)}")
 
 
 def fused_qkv_linear_attn(
@@ -59,38 +44,56 @@ def fused_qkv_linear_attn(
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, qkv_weight) if t is not None):
         raise ValueError("fused_qkv_linear_attn: inference only; use the qkv projection and linear_attn() for autograd")
-    _check_projection(x, qkv_weight, qkv_bias, num_heads)
+    check_qkv_projection(x, qkv_weight, qkv_bias, num_heads, "fused_qkv_linear_attn")
     phi = get_feature_map(feature_map)
+    projection = _BlockProjection(x, qkv_weight, qkv_bias, num_heads, q_norm, k_norm, keep_values)
     batch, n, _ = x.shape
-    dim = qkv_weight.shape[0] // 3
-    q_norm = q_norm or (lambda t: t)
-    k_norm = k_norm or (lambda t: t)
-    q_bias, kv_bias = (None, None) if qkv_bias is None else (qkv_bias[:dim], qkv_bias[dim:])
-    device = x.device.type
-    caller_autocast = {"enabled": torch.is_autocast_enabled(device), "dtype": torch.get_autocast_dtype(device)}
+    blocks = TokenBlocks(batch, num_heads, n, projection.dim // num_heads + 1, x.device)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        state = kv_state(projection.keys_values, blocks, phi, batch)
+        out = x.new_empty(batch, n, projection.dim, dtype=projection.dtype)  # the values' dtype, as in linear_attn()
+        attend(projection.queries, state, blocks, phi, eps, split_heads(out, num_heads))
+    return (out, projection.values) if keep_values else out
 
-    values_dtype = caller_autocast["dtype"] if caller_autocast["enabled"] else x.dtype
-    values = x.new_empty(batch, n, dim, dtype=values_dtype) if keep_values else None
-    tokens = x.reshape(batch * n, -1)  # a block's tokens are consecutive rows of it
 
-    def project(block: Block, out_features: slice, bias: torch.Tensor | None) -> torch.Tensor:
+class _BlockProjection:
+    """The qkv projection of ``x`` one block of tokens at a time, under the caller's autocast, as the plain
+    projection would run: the keys and values (normed keys; the values kept in :attr:`values` if asked) and
+    the normed queries of a block, each (b, heads, n, d)."""
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        num_heads: int,
+        q_norm: Callable[[torch.Tensor], torch.Tensor] | None,
+        k_norm: Callable[[torch.Tensor], torch.Tensor] | None,
+        keep_values: bool,
+    ) -> None:
+        batch, n, _ = x.shape
+        self.dim = dim = weight.shape[0] // 3
+        self.num_heads, self.weight = num_heads, weight
+        self.q_norm = q_norm or (lambda t: t)
+        self.k_norm = k_norm or (lambda t: t)
+        self.q_bias, self.kv_bias = (None, None) if bias is None else (bias[:dim], bias[dim:])
+        self.device = device = x.device.type
+        # the caller's autocast, which the projection of each block runs under as the plain projection would
+        self.autocast = {"enabled": torch.is_autocast_enabled(device), "dtype": torch.get_autocast_dtype(device)}
+        self.dtype = self.autocast["dtype"] if self.autocast["enabled"] else x.dtype
+        self.values = x.new_empty(batch, n, dim, dtype=self.dtype) if keep_values else None
+        self.tokens = x.reshape(batch * n, -1)  # a block's tokens are consecutive rows of it
+
+    def project(self, block: Block, out_features: slice, bias: torch.Tensor | None) -> torch.Tensor:
         """The block's tokens projected by the weight rows ``out_features``: (b, n, len(out_features))."""
-        with torch.autocast(device_type=device, **caller_autocast):  # as the plain projection would run
-            return F.linear(tokens[block.rows], qkv_weight[out_features], bias).view(*block.size, -1)
+        with torch.autocast(device_type=self.device, **self.autocast):
+            return F.linear(self.tokens[block.rows], self.weight[out_features], bias).view(*block.size, -1)
 
-    def keys_values(block: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, vals = project(block, slice(dim, None), kv_bias).chunk(2, dim=-1)  # (b, n, C) each
-        if values is not None:
-            values.view(batch * n, dim)[block.rows].view_as(vals).copy_(vals)  # one copy: vals is a strided view
-        return k_norm(split_heads(keys, num_heads)), split_heads(vals, num_heads)
+    def keys_values(self, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, vals = self.project(block, slice(self.dim, None), self.kv_bias).chunk(2, dim=-1)  # (b, n, C) each
+        if self.values is not None:  # one copy: vals is a strided view
+            self.values.view(-1, self.dim)[block.rows].view_as(vals).copy_(vals)
+        return self.k_norm(split_heads(keys, self.num_heads)), split_heads(vals, self.num_heads)
 
-    def queries(block: Block) -> torch.Tensor:
-        return q_norm(split_heads(project(block, slice(None, dim), q_bias), num_heads))
-
-    d = dim // num_heads
-    blocks = TokenBlocks(batch, num_heads, n, d + 1, x.device)
-    with torch.autocast(device_type=device, enabled=False):
-        state = kv_state(keys_values, blocks, phi, batch)
-        out = x.new_empty(batch, n, dim, dtype=values_dtype)  # in the values' dtype, as in linear_attn()
-        attend(queries, state, blocks, phi, eps, split_heads(out, num_heads))
-    return (out, values) if keep_values else out
+    def queries(self, block: Block) -> torch.Tensor:
+        return self.q_norm(split_heads(self.project(block, slice(None, self.dim), self.q_bias), self.num_heads))
