@@ -1,6 +1,6 @@
 """The memory each type's token mixing keeps on the paths its op takes on a device
 (:meth:`visattn.layers.GridAttention.mixing_memory` of a case on that device): the CPU's figures unchanged,
-FlexAttention's tensors for the local types on CUDA, SDPA's for axial."""
+the Triton kernels' tensors (FlexAttention's without Triton) for the local types on CUDA, SDPA's for axial."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +9,11 @@ import torch
 import visattn
 from visattn.layers import attention_options, get_attention
 from visattn.layers.axial import AxialAttention, sdpa_train_memory
-from visattn.layers.cost import CostCase, MixingMemory, TokenLayout
+from visattn import ops
+from visattn.layers.cost import CostCase, MixingMemory, TokenLayout, triton_memory
 from visattn.ops.axial import packed_axial_attn
 from visattn.ops.backends import force_backend
+from visattn.ops.layout import split_qkv
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device is only named here: nothing runs on CUDA
 
@@ -36,13 +38,15 @@ LOCAL_IDS = [name + "".join(f"-{key}{value}" for key, value in opts.items()) for
 
 
 @pytest.mark.parametrize("attn, opts", LOCAL, ids=LOCAL_IDS)
-def test_a_local_type_on_cuda_counts_flex_attention_and_no_gathered_copies(attn, opts):
-    """20 x 24 patches after 2 prefix tokens, 2 heads of 8, 2-byte activations. FlexAttention runs over the
+def test_a_local_type_on_cuda_counts_flex_attention_and_no_gathered_copies(attn, opts, monkeypatch):
+    """Where Triton is missing (FlexAttention is then the CUDA path), 20 x 24 patches after 2 prefix tokens,
+    2 heads of 8, 2-byte activations. FlexAttention runs over the
     tokens in tile order: the global tokens (the 2 prefix tokens, plus 127 learned ones for the last
     longformer) padded to whole blocks of 128 slots, then the grid in tiles of 8 x 16 (128 slots; 16 wide
     since the grid is at least 16 wide), padded to 24 x 32 = 768 slots. It keeps q, k, v in that order and
     its output (4 x slots x 16 channels x 2 bytes) and an fp32 log-sum-exp per slot and head (2 x 4 bytes);
     nothing per tile, and no mask."""
+    monkeypatch.setattr("visattn.ops.backends.triton_runs_on", lambda device: False)
     layout = TokenLayout((20, 24), 2)
     options = attention_options(attn, opts, layout.grid)
     global_tokens = 2 + options.get("num_extra_global_tokens", 0)
@@ -52,6 +56,38 @@ def test_a_local_type_on_cuda_counts_flex_attention_and_no_gathered_copies(attn,
     assert cuda == MixingMemory(infer=kept, train=kept, shared=0)
     cpu = get_attention(attn).mixing_memory(CostCase(layout, 2, 8, options, 2, CPU))
     assert cpu.train > cuda.train and cpu.shared > 0  # the gathered tiles and their mask
+
+
+@pytest.mark.parametrize("attn, opts", LOCAL, ids=LOCAL_IDS)
+def test_a_local_type_on_cuda_counts_the_triton_kernels(attn, opts):
+    """The same cases where Triton is installed, as here: the kernels read q, k and v in place over the
+    N' = 2 + 480 tokens of the op (plus 127 learned global tokens for the last longformer) and keep, for
+    the backward, the qkv projection those are views of (3 N' x 16 channels x 2 bytes), the output (N' x 32
+    bytes) and an fp32 log-sum-exp per token and head (N' x 2 x 4 bytes); inference the last two."""
+    layout = TokenLayout((20, 24), 2)
+    options = attention_options(attn, opts, layout.grid)
+    tokens = 2 + options.get("num_extra_global_tokens", 0) + 20 * 24
+    out = tokens * 16 * 2 + 2 * 4 * tokens
+    cuda = get_attention(attn).mixing_memory(CostCase(layout, 2, 8, options, 2, CUDA))
+    assert cuda == MixingMemory(infer=out, train=out + 3 * tokens * 16 * 2, shared=0)
+
+
+@pytest.mark.parametrize("prefix_visible", [False, True], ids=["local", "global"])
+def test_triton_memory_is_what_autograd_keeps(prefix_visible):
+    """The ``"triton"`` path forced on the CPU (interpreted), on views of one qkv projection as the layers
+    pass them: the storages saved for the backward, batch 2, fp32, are the formula's to the byte."""
+    batch, heads, d, grid, p = 2, 2, 8, (5, 7), 2
+    qkv = torch.randn(batch, p + grid[0] * grid[1], 3 * heads * d, requires_grad=True)
+
+    def attend(t):
+        q, k, v = split_qkv(t, heads)
+        if prefix_visible:
+            return ops.longformer_attn(q, k, v, grid, p, kernel_size=3)
+        return ops.neighborhood_attn(q, k, v, grid, 3, num_prefix_tokens=p)
+
+    with force_backend("local", "triton"):
+        saved = _saved_bytes(attend, qkv)
+    assert saved == batch * triton_memory(CostCase(TokenLayout(grid, p), heads, d, act_bytes=4), p + 35).train
 
 
 def test_a_local_type_on_cuda_keeps_the_tiles_where_the_dense_path_runs():

@@ -120,19 +120,31 @@ def flex_memory(case: CostCase, slots: int) -> MixingMemory:
     return MixingMemory(infer=kept, train=kept)
 
 
+def triton_memory(case: CostCase, num_tokens: int) -> MixingMemory:
+    """The tiled local engine on its fused Triton kernels (:func:`visattn.ops.local.triton.triton_local_attn`)
+    over ``num_tokens`` tokens: the output and an fp32 log-sum-exp per token and head; for the backward
+    also q, k and v, views of the qkv projection, which autograd keeps whole. Nothing per tile, no copy
+    and no mask (the prefix rows' partial sums, a few values per key segment, are left out)."""
+    out = num_tokens * case.dim * case.act_bytes + 4 * case.num_heads * num_tokens
+    return MixingMemory(infer=out, train=out + 3 * num_tokens * case.dim * case.act_bytes)
+
+
 def local_memory(
     case: CostCase, rows: AxisTiling, cols: AxisTiling, num_prefix_tokens: int, prefix_visible: bool
 ) -> MixingMemory:
     """The tiled local engine (:func:`visattn.ops.local.tiled_local_attn`, with its ``num_prefix_tokens``
     and ``prefix_visible``) on the path :func:`visattn.ops.backends.choose_local_backend` picks on the
-    case's device in each mode: :func:`flex_memory` on FlexAttention, else :func:`tiled_memory`. The dense path
-    of short sequences is counted as the tiles too, an approximation: it keeps an N x N additive mask
-    instead of the gathered tiles and their mask."""
+    case's device in each mode: :func:`triton_memory` on the Triton kernels, :func:`flex_memory` on
+    FlexAttention, else :func:`tiled_memory`. The dense path of short sequences is counted as the tiles
+    too, an approximation: it keeps an N x N additive mask instead of the gathered tiles and their mask."""
     self_only = is_self_only(rows, cols, num_prefix_tokens, prefix_visible)
     dense = dense_is_cheaper(rows, cols, num_prefix_tokens, prefix_visible)
 
     def on_path(needs_grad: bool) -> MixingMemory:
-        if choose_local_backend(case.device, needs_grad, 0.0, self_only, dense) == "flex":
+        path = choose_local_backend(case.device, needs_grad, 0.0, self_only, dense)
+        if path == "triton":
+            return triton_memory(case, num_prefix_tokens + case.layout.num_patches)
+        if path == "flex":
             return flex_memory(case, sequence_length(case.layout.grid, num_prefix_tokens))
         num_visible = num_prefix_tokens if prefix_visible else 0
         return tiled_memory(case, rows, cols, num_visible)

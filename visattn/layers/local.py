@@ -25,6 +25,7 @@ class LocalWindowAttention(GridAttention):
 
     @classmethod
     def mixing_memory(cls, case: CostCase) -> MixingMemory:
-        """FlexAttention's tensors where the engine takes it (CUDA), else the tiles' (:func:`local_memory`)."""
+        """The Triton kernels' tensors (or FlexAttention's) where the engine takes them (CUDA), else the
+        tiles' (:func:`local_memory`)."""
         rows, cols = cls.window_tilings(case.layout.grid, case.options)
         return local_memory(case, rows, cols, case.layout.num_prefix_tokens, False)

@@ -109,9 +109,9 @@ class LongformerAttention(GridAttention):
 
     @classmethod
     def mixing_memory(cls, case: CostCase) -> MixingMemory:
-        """FlexAttention's tensors where the engine takes it (CUDA), else the tiles'
-        (:func:`visattn.layers.cost.local_memory`), with the global tokens seen by every patch: the prefix
-        tokens and the extra global tokens."""
+        """The Triton kernels' tensors (or FlexAttention's) where the engine takes them (CUDA), else the
+        tiles' (:func:`visattn.layers.cost.local_memory`), with the global tokens seen by every patch: the
+        prefix tokens and the extra global tokens."""
         num_global = case.layout.num_prefix_tokens + case.options["num_extra_global_tokens"]
         return local_memory(case, *cls._tilings(case.layout.grid, case.options), num_global, True)
 

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 
 import torch
 
+from visattn.ops.triton_support import triton_runs_on
+
 _log = logging.getLogger(__name__)
 
 BACKENDS: dict[str, tuple[str, ...]] = {
@@ -41,8 +43,10 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     "axial": ("cpu_kernels", "sdpa", "sdpa_checkpoint"),
     # the tiled engine of the local ops: tiles a chunk at a time into cache-sized buffers (no autograd),
     # all tiles gathered at once (differentiable), attention over all tokens with the windows as a mask,
-    # or FlexAttention's block-sparse kernel over the tokens in tile order (visattn.ops.local.flex; CUDA)
-    "local": ("chunked", "gathered", "dense", "flex"),
+    # FlexAttention's block-sparse kernel over the tokens in tile order (visattn.ops.local.flex; CUDA), or
+    # fused Triton kernels on 2D query tiles computing each window from its position (visattn.ops.local.triton;
+    # CUDA, or the CPU interpreted)
+    "local": ("chunked", "gathered", "dense", "flex", "triton"),
 }
 
 _forced: dict[str, str] = {}
@@ -166,19 +170,22 @@ def choose_local_backend(
     """A window of one key: gathered (exact there). Where the windows cover enough of the grid that
     attention over all tokens costs no more than the tiles (short sequences: a 7 x 7 window on 14 x 14
     patches), dense, on any device: a block-sparse kernel has no empty block to skip there and would
-    compile for every shape. Else on CUDA without dropout, flex: FlexAttention's compiled block-sparse
-    kernel computes only the blocks the windows reach, where the gathered tiles send SDPA to its masked
-    kernels; with dropout (FlexAttention has none), gathered. On the CPU when no autograd, dropout or
-    compiled graph needs the whole computation at once, chunk by chunk; elsewhere gathered: one batched
-    SDPA over all tiles, the shape GPU kernels and the compiler want. (FlexAttention ships with every
-    torch this package accepts, so it needs no availability check.) Provisional on CUDA until the GPU
-    benchmark has measured flex against dense and gathered."""
+    compile for every shape. Else on CUDA without dropout, triton: fused kernels that read q, k, v in
+    place, score each query tile's key region and mask it by the windows computed from the cells'
+    positions, with no permutation of the tokens and no mask table; where Triton is missing, flex:
+    FlexAttention's compiled block-sparse kernel, which computes only the blocks the windows reach (but
+    evaluates a table-driven mask in each) where the gathered tiles send SDPA to its masked kernels; with
+    dropout (neither has it), gathered. On the CPU when no autograd, dropout or compiled graph needs the
+    whole computation at once, chunk by chunk; elsewhere gathered: one batched SDPA over all tiles, the
+    shape GPU kernels and the compiler want. (FlexAttention ships with every torch this package accepts,
+    so it needs no availability check.) Provisional on CUDA until the GPU benchmark has measured triton
+    against flex and dense."""
     if self_only:
         return "gathered"
     if dense_cheaper:
         return "dense"
     if device.type == "cuda" and not dropout_p:
-        return "flex"
+        return "triton" if triton_runs_on(device) else "flex"
     if needs_grad or dropout_p or not _eager_on_cpu(device):
         return "gathered"
     return "chunked"

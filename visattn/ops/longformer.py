@@ -69,7 +69,7 @@ def longformer_attn(
         local: ``"neighborhood"`` (uses kernel_size, tile_size) or ``"sparse"`` (uses block_size, halo).
         dropout_p: dropout on the attention weights.
         scale: score scale, default d^-0.5.
-        backend: the tiled engine's path, ``"chunked"``, ``"gathered"``, ``"dense"`` or ``"flex"`` (see
+        backend: the tiled engine's path, ``"chunked"``, ``"gathered"``, ``"dense"``, ``"flex"`` or ``"triton"`` (see
             :func:`visattn.ops.local.tiled_local_attn`); None: chosen.
     Returns:
         (B, heads, N, d)

@@ -45,7 +45,7 @@ def neighborhood_attn(
             (tile_size + k - 1)^2 key region; the result does not depend on it.
         dropout_p: dropout on the attention weights.
         scale: score scale, default d^-0.5.
-        backend: the tiled engine's path, ``"chunked"``, ``"gathered"``, ``"dense"`` or ``"flex"`` (see
+        backend: the tiled engine's path, ``"chunked"``, ``"gathered"``, ``"dense"``, ``"flex"`` or ``"triton"`` (see
             :func:`visattn.ops.local.tiled_local_attn`); None: chosen.
     Returns:
         (B, heads, N, d)

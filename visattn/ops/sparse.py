@@ -38,7 +38,7 @@ def sparse_attn(
         num_prefix_tokens: P >= 0 tokens before the patches.
         dropout_p: dropout on the attention weights.
         scale: score scale, default d^-0.5.
-        backend: the tiled engine's path, ``"chunked"``, ``"gathered"``, ``"dense"`` or ``"flex"`` (see
+        backend: the tiled engine's path, ``"chunked"``, ``"gathered"``, ``"dense"``, ``"flex"`` or ``"triton"`` (see
             :func:`visattn.ops.local.tiled_local_attn`); None: chosen.
     Returns:
         (B, heads, N, d)

@@ -135,7 +135,9 @@ def test_forced_flex_runs_a_layer_like_gathered(name, opts, p):
     assert_rms_close(flex, gathered, 1e-5, f"{name}: flex vs gathered")
 
 
-def test_flex_is_chosen_on_cuda_without_dropout():
+def test_flex_is_chosen_on_cuda_without_dropout(monkeypatch):
+    """Where Triton is missing; with it, the Triton kernels (tests/ops/test_local_triton.py)."""
+    monkeypatch.setattr(backends, "triton_runs_on", lambda device: False)
     cuda = torch.device("cuda")
     for needs_grad in (False, True):
         assert backends.choose_local_backend(cuda, needs_grad, 0.0, False, dense_cheaper=False) == "flex"
@@ -187,7 +189,8 @@ CUDA_IDS = [f"B{b}-H{h}-grid{g[0]}x{g[1]}-p{p}-{'global' if vis else 'local'}-{w
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("b,heads,grid,p,prefix_visible,window,d", CUDA_CASES, ids=CUDA_IDS)
-def test_cuda_matches_naive(b, heads, grid, p, prefix_visible, window, d, dtype):
+def test_cuda_matches_naive(b, heads, grid, p, prefix_visible, window, d, dtype, monkeypatch):
+    monkeypatch.setattr(backends, "triton_runs_on", lambda device: False)  # FlexAttention chosen, as without Triton
     device = torch.device("cuda")
     rows, cols = _plans(window, grid, device)
     q, k, v = (torch.randn(b, heads, p + grid[0] * grid[1], d, device=device).to(dtype) for _ in range(3))

@@ -12,7 +12,9 @@ The gathers read the token-major layout (B, N, heads * d) that the qkv projectio
 keys of all heads are copied as whole rows, and the output comes back token-major, so the layer merges
 the heads with a view. On the CPU without autograd the tiles run a chunk at a time through
 :func:`visattn.ops.local.chunked.attend_in_chunks` (the gathered regions stay in cache); with autograd, and on
-other devices, all tiles are gathered at once and the fused kernel's own backward pass applies. Where the
+other devices, all tiles are gathered at once and the fused kernel's own backward pass applies. On CUDA
+the same tiles run as fused Triton kernels (:mod:`visattn.ops.local.triton`) that address each tile's
+region in place and compute the windows from the cells' positions, gathering nothing. Where the
 windows cover most of a short sequence (a 7 x 7 window on 14 x 14 patches: every 8 x 8 tile's region is
 the whole grid), the tiles save nothing and cost their gathers: the whole attention then runs as one
 SDPA over all tokens with the windows as a mask (:func:`visattn.ops.backends.choose_local_backend`
@@ -35,6 +37,7 @@ from visattn.ops.local.chunked import Sequences, attend_in_chunks
 from visattn.ops.local.flex import flex_local_attn
 from visattn.ops.local.naive import separable_grid_mask, with_prefix_tokens
 from visattn.ops.local.plans import AxisPlan, AxisTiling
+from visattn.ops.local.triton import triton_local_attn
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,9 +183,21 @@ def _flex_path(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropout_p
     return flex_local_attn(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, scale)
 
 
+def _triton_path(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropout_p, scale) -> torch.Tensor:
+    """Fused Triton kernels on 2D query tiles (:mod:`visattn.ops.local.triton`): differentiable, no dropout."""
+    if dropout_p:
+        raise ValueError(
+            f"tiled_local_attn: backend 'triton' has no dropout, got dropout_p={dropout_p}; use 'gathered'"
+        )
+    return triton_local_attn(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, scale)
+
+
 # backend name (visattn.ops.backends.BACKENDS["local"]) -> path; each takes
 # (q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropout_p, scale) -> (B, heads, N, d_v)
-LOCAL_PATHS = {"chunked": _chunked_path, "gathered": _gathered_path, "dense": _dense_path, "flex": _flex_path}
+LOCAL_PATHS = {
+    "chunked": _chunked_path, "gathered": _gathered_path, "dense": _dense_path, "flex": _flex_path,
+    "triton": _triton_path,
+}
 
 
 def tiled_local_attn(
@@ -209,8 +224,10 @@ def tiled_local_attn(
         backend: a name of :data:`LOCAL_PATHS`: ``"chunked"`` (tiles a chunk at a time through
             :func:`visattn.ops.local.chunked.attend_in_chunks`; no autograd, no dropout), ``"gathered"``
             (all tiles at once, differentiable), ``"dense"`` (all N keys, the windows as an N x N
-            mask, differentiable) or ``"flex"`` (FlexAttention, :mod:`visattn.ops.local.flex`;
-            differentiable, no dropout); None: chosen by :func:`visattn.ops.backends.choose_local_backend`.
+            mask, differentiable), ``"flex"`` (FlexAttention, :mod:`visattn.ops.local.flex`;
+            differentiable, no dropout) or ``"triton"`` (fused kernels, :mod:`visattn.ops.local.triton`;
+            CUDA or the CPU interpreted, differentiable, no dropout); None: chosen by
+            :func:`visattn.ops.backends.choose_local_backend`.
     Returns:
         (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor.
     """
