@@ -138,7 +138,9 @@ def _axis_args(rule: WindowRule) -> list[int]:
     """[a, c, BLOCK] of :func:`visattn.ops.local.triton_kernels._window` for one axis."""
     if rule.kind == "neighborhood":
         return [rule.size // 2, rule.size, 0]
-    return [rule.halo, 0, rule.size]
+    if rule.kind == "blocked":
+        return [rule.halo, 0, rule.size]
+    raise ValueError(f"{OP}: the kernels compute 'neighborhood' and 'blocked' windows, got {rule.kind!r}")
 
 
 def _window_args(q, k, v, grid, row_window, col_window, num_prefix_tokens, scale):
