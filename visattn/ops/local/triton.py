@@ -58,16 +58,16 @@ class TileConfig(NamedTuple):
 # pays per operation, so fewer, larger tiles run faster.
 INTERPRETED_CONFIGS = {name: TileConfig(8, 8, 8, 8) for name in ("window_forward_kernel", "window_dq_kernel",
                                                                    "window_dkdv_kernel")}
-# Autotuned on a GPU, unless TUNED_CONFIGS holds the choice. 8 x 8 query tiles meet a 7 x 7 window's 14 x 14
-# region in four 8 x 8 key tiles (or 4 x 16). 128-cell tiles halve the programs but, compiled for sm_90 at
-# head dim 64, take 236 to 255 registers a thread and spill in the backward kernels.
+# Autotuned on a GPU, unless TUNED_CONFIGS holds the choice; few candidates, since each compiles for every
+# head dim, dtype and window kind. 8 x 8 query tiles meet a 7 x 7 window's 14 x 14 region in four 8 x 8 key
+# tiles (or 4 x 16). 128-cell tiles halve the programs but, compiled for sm_90 at head dim 64, take 236 to
+# 255 registers a thread and spill in the backward kernels.
 AUTOTUNE_CONFIGS = {
     "window_forward_kernel": (
-        TileConfig(8, 8, 8, 8, 4, 2), TileConfig(8, 8, 4, 16, 4, 2), TileConfig(8, 8, 8, 8, 4, 3),
-        TileConfig(8, 16, 8, 16, 8, 2), TileConfig(16, 8, 8, 16, 8, 2),
+        TileConfig(8, 8, 8, 8, 4, 2), TileConfig(8, 8, 4, 16, 4, 2), TileConfig(8, 16, 8, 16, 8, 2)
     ),
-    "window_dq_kernel": (TileConfig(8, 8, 8, 8, 4, 2), TileConfig(8, 8, 4, 16, 4, 2), TileConfig(8, 8, 8, 8, 8, 2)),
-    "window_dkdv_kernel": (TileConfig(8, 8, 8, 8, 4, 2), TileConfig(4, 16, 8, 8, 4, 2), TileConfig(8, 8, 8, 8, 8, 2)),
+    "window_dq_kernel": (TileConfig(8, 8, 8, 8, 4, 2), TileConfig(8, 8, 8, 8, 8, 2)),
+    "window_dkdv_kernel": (TileConfig(8, 8, 8, 8, 4, 2), TileConfig(8, 8, 8, 8, 8, 2)),
 }
 # (kernel name, BLOCK_D, dtype name) -> the configuration a GPU's autotuning chose (:func:`autotuned_configs`),
 # so that no later run spends time autotuning. Filled in from GPU runs.
