@@ -213,10 +213,13 @@ def test_triton_is_chosen_on_cuda_without_dropout():
         assert backends.choose_local_backend(cpu, needs_grad, 0.0, False, dense_cheaper=False) != "triton"
 
 
-def test_triton_refuses_dropout():
+def test_triton_refuses_dropout_and_too_many_images_and_heads():
     q, k, v = (torch.randn(1, 2, 5 * 6, 16) for _ in range(3))
     with pytest.raises(ValueError, match="backend 'triton' has no dropout, got dropout_p=0.1"):
         ops.neighborhood_attn(q, k, v, (5, 6), 3, dropout_p=0.1, backend="triton")
+    q, k, v = (torch.zeros(16385, 4, 1, 16) for _ in range(3))
+    with pytest.raises(ValueError, match="batch x heads must be at most 65,535 .* got 16385 x 4"):
+        ops.neighborhood_attn(q, k, v, (1, 1), 3, backend="triton")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -77,6 +77,7 @@ AUTOTUNE_KEY = ["DIM", "DIM_V", "row_a", "row_c", "col_a", "col_c", "ROW_BLOCK",
 # tile (as queries of the prefix rows and of dk, dv; as keys of the patch queries).
 PREFIX_SEGMENT, PREFIX_BLOCK_N = (64, 32) if INTERPRETED else (1024, 64)
 MAX_BLOCK_P = 64
+MAX_IMAGE_HEADS = 65535  # images x heads run on a launch grid's second (or third) axis
 
 if HAS_TRITON and not INTERPRETED:
     _AUTOTUNED = {
@@ -323,6 +324,11 @@ def triton_local_attn(
         (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor.
     """
     check_triton_runs_on(OP, q.device)
+    if q.shape[0] * q.shape[1] > MAX_IMAGE_HEADS:
+        raise ValueError(
+            f"{OP}: batch x heads must be at most {MAX_IMAGE_HEADS:,} (a CUDA launch grid's second axis), got "
+            f"{q.shape[0]} x {q.shape[1]}; split the batch or use backend 'flex'"
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     grid = [rows.length, cols.length]
     out, _ = _forward_op(
