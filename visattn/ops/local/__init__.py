@@ -4,8 +4,8 @@
     plans.py    the windows of each grid axis (:class:`AxisPlan`) and their sizes (:class:`AxisTiling`)
     engine.py   :func:`tiled_local_attn`: the path choice, the gathered and the dense paths
     chunked.py  the CPU inference path, tiles a chunk at a time
-    flex.py     the CUDA path: FlexAttention over the tokens in tile order, block masks cached
-    triton.py   fused Triton kernels on 2D query tiles, windows computed from positions
+    flex.py     FlexAttention over the tokens in tile order, block masks cached (CUDA without Triton)
+    triton.py   the CUDA path: fused Triton kernels on 2D query tiles, windows computed from positions
                 (kernels in triton_kernels.py)
     naive.py    explicit N x N scores with a mask, the naive twin every op is compared with
 """
