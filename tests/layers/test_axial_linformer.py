@@ -11,7 +11,9 @@ from visattn import get_attention, ops
 from visattn.layers import GridAttention
 from visattn.layers.axial import AxialAttention
 from visattn.layers.linformer import LinformerAttention
+from visattn.ops.backends import force_backend
 from visattn.ops.linformer import area_pooling_projection
+from visattn.ops.triton_support import triton_runs_on
 
 DIM, HEADS = 24, 3
 OPTIONS = {"axial": {}, "linformer": {"k": 6, "ref_grid": (4, 4)}}
@@ -160,3 +162,24 @@ def test_linformer_projecting_the_input_equals_the_generic_path(grid, p):
     assert_rms_close(dx_fast, dx_generic, 1e-5, "dx")
     for name, grad in grads_generic.items():
         assert_rms_close(grads_fast[name], grad, 1e-5, f"d{name}")
+
+
+@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="Triton kernels take CPU tensors only interpreted")
+@pytest.mark.parametrize("rope", [None, "axial"], ids=["projection", "rope"])
+def test_axial_triton_path_equals_sdpa(rope):
+    """The layer on the Triton kernels, forced (interpreted on the CPU), against the same layer on SDPA,
+    by both of its routes: on the qkv projection itself, which the kernels read in place, and on q, k, v
+    split and turned by rope. Outputs and every parameter's gradient."""
+    layer = _layer("axial", (7, 5), 1, qkv_bias=True, rope=rope)
+    x = torch.randn(2, 36, DIM)
+    results = []
+    for backend in ("sdpa", "triton"):
+        layer.zero_grad()
+        with force_backend("axial", backend):
+            out = layer(x)
+        out.square().mean().backward()
+        results.append((out.detach(), [param.grad.clone() for param in layer.parameters()]))
+    (expected, expected_grads), (out, grads) = results
+    assert_rms_close(out, expected, 1e-5, "out")
+    for (name, _), grad, expected_grad in zip(layer.named_parameters(), grads, expected_grads):
+        assert_rms_close(grad, expected_grad, 1e-5, f"d{name}")

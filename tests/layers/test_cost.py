@@ -1,6 +1,7 @@
 """The memory each type's token mixing keeps on the paths its op takes on a device
 (:meth:`visattn.layers.GridAttention.mixing_memory` of a case on that device): the CPU's figures unchanged,
-the Triton kernels' tensors (FlexAttention's without Triton) for the local types on CUDA, SDPA's for axial."""
+the Triton kernels' tensors (FlexAttention's without Triton) for the local types on CUDA, the Triton
+kernels' for axial (SDPA's where forced)."""
 from __future__ import annotations
 
 import pytest
@@ -8,12 +9,13 @@ import torch
 
 import visattn
 from visattn.layers import attention_options, get_attention
-from visattn.layers.axial import AxialAttention, sdpa_train_memory
+from visattn.layers.axial import AxialAttention, sdpa_train_memory, triton_train_memory
 from visattn import ops
 from visattn.layers.cost import CostCase, MixingMemory, TokenLayout, triton_memory
 from visattn.ops.axial import packed_axial_attn
 from visattn.ops.backends import force_backend
 from visattn.ops.layout import split_qkv
+from visattn.ops.triton_support import HAS_TRITON, triton_runs_on
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device is only named here: nothing runs on CUDA
 
@@ -100,9 +102,9 @@ def test_a_local_type_on_cuda_keeps_the_tiles_where_the_dense_path_runs():
     assert cuda == cpu
 
 
-def test_axial_on_cuda_counts_what_sdpa_keeps_in_each_hop():
-    """5 x 7 patches (M = 35) after P = 2 prefix tokens (N = 37), 2 heads of 8, 2-byte activations; in
-    elements of C = 16 channels:
+def test_axial_on_sdpa_counts_what_sdpa_keeps_in_each_hop():
+    """The ``"sdpa"`` path forced on CUDA (its path without Triton): 5 x 7 patches (M = 35) after P = 2
+    prefix tokens (N = 37), 2 heads of 8, 2-byte activations; in elements of C = 16 channels:
 
     * the qkv projection, 3 N = 111 (the prefix queries' SDPA keeps k and v, views of it);
     * the row hop: q's rows copied (M = 35), k's and v's rows with the prefix keys in front, 2 H (P + W) =
@@ -114,7 +116,8 @@ def test_axial_on_cuda_counts_what_sdpa_keeps_in_each_hop():
     441 x 16 x 2 bytes, plus fp32 log-sum-exps for the 35 + 35 + 2 query rows of the three SDPAs, 2 heads."""
     layout = TokenLayout((5, 7), 2)
     expected = (111 + 35 + 90 + 35 + 35 + 98 + 35 + 2) * 16 * 2 + 4 * 2 * (35 + 35 + 2)
-    cuda = AxialAttention.mixing_memory(CostCase(layout, 2, 8, {}, 2, CUDA))
+    with force_backend("axial", "sdpa"):
+        cuda = AxialAttention.mixing_memory(CostCase(layout, 2, 8, {}, 2, CUDA))
     cpu = AxialAttention.mixing_memory(CostCase(layout, 2, 8, {}, 2))
     assert cuda == cpu._replace(train=expected)  # inference takes plain SDPA on every device
 
@@ -142,3 +145,32 @@ def test_axial_sdpa_memory_is_what_autograd_keeps(grid, p):
     with force_backend("axial", "sdpa"):
         saved = _saved_bytes(lambda t: packed_axial_attn(t, heads, grid, p), qkv)
     assert saved == batch * sdpa_train_memory(CostCase(TokenLayout(grid, p), heads, d, act_bytes=4))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="without Triton axial takes SDPA on CUDA")
+def test_axial_on_cuda_counts_what_the_triton_kernels_keep():
+    """5 x 7 patches (M = 35) after P = 2 prefix tokens (N = 37), 2 heads of 8, 2-byte activations: the
+    qkv projection (3 N) and the row hop's output (N), 4 x 37 x 16 channels x 2 bytes, plus fp32
+    log-sum-exps of the 35 row and 35 column queries and the 2 prefix queries, 2 heads; no copy. A
+    column longer than a program holds (257) takes SDPA."""
+    layout = TokenLayout((5, 7), 2)
+    expected = 4 * 37 * 16 * 2 + 4 * 2 * (35 + 35 + 2)
+    cuda = AxialAttention.mixing_memory(CostCase(layout, 2, 8, {}, 2, CUDA))
+    cpu = AxialAttention.mixing_memory(CostCase(layout, 2, 8, {}, 2))
+    assert cuda == cpu._replace(train=expected)
+    tall = CostCase(TokenLayout((257, 3), 1), 2, 8, {}, 2, CUDA)
+    assert AxialAttention.mixing_memory(tall).train == sdpa_train_memory(tall)
+
+
+@pytest.mark.skipif(not triton_runs_on(CPU), reason="the Triton kernels take CPU tensors only interpreted")
+@pytest.mark.parametrize("grid, p", [((5, 7), 2), ((4, 6), 0)], ids=["grid5x7-p2", "grid4x6-p0"])
+def test_axial_triton_memory_is_what_autograd_keeps(grid, p):
+    """The ``"triton"`` path forced on the CPU (interpreted): the storages saved for the backward, batch
+    2, fp32, are the formula's to the byte, plus the op's output, which the formula leaves to the block."""
+    batch, heads, d = 2, 2, 8
+    n = p + grid[0] * grid[1]
+    qkv = torch.randn(batch, n, 3 * heads * d, requires_grad=True)
+    with force_backend("axial", "triton"):
+        saved = _saved_bytes(lambda t: packed_axial_attn(t, heads, grid, p), qkv)
+    output = batch * n * heads * d * 4
+    assert saved == batch * triton_train_memory(CostCase(TokenLayout(grid, p), heads, d, act_bytes=4)) + output

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from tests.helpers import assert_rms_close
+from visattn.ops.axial import packed_axial_attn
 from visattn.ops.axial.naive import naive_axial_attn
-from visattn.ops.axial.triton import packed_triton_axial_attn, triton_axial_attn
+from visattn.ops.axial.triton import packed_triton_axial_attn, triton_axial_attn, triton_fits
+from visattn.ops.backends import choose_axial_backend
 from visattn.ops.layout import merge_heads, split_qkv
 from visattn.ops.triton_support import HAS_TRITON
 
@@ -197,3 +199,19 @@ def test_bad_inputs_raise():
     q = torch.randn(1, 1, 13, 300)
     with pytest.raises(ValueError, match="head_dim 300"):
         triton_axial_attn(q, q, q, (3, 4), 1)
+
+
+def test_chosen_on_cuda_without_dropout():
+    """The path of choice on CUDA (with or without autograd) where the kernels fit; never on the CPU
+    unless forced; never with dropout, which the kernels do not apply."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device is only named here: nothing runs on CUDA
+    assert choose_axial_backend(cuda, 0.0, needs_grad=True) == "triton"
+    assert choose_axial_backend(cuda, 0.0, needs_grad=False) == "triton"
+    assert choose_axial_backend(cuda, 0.1, needs_grad=True) == "sdpa"
+    assert choose_axial_backend(cuda, 0.0, needs_grad=True, triton_fits=False) == "sdpa"
+    assert choose_axial_backend(cpu, 0.0, needs_grad=True) == "cpu_kernels"
+    assert choose_axial_backend(cpu, 0.0, needs_grad=False) == "sdpa"
+    assert not triton_fits((257, 3), 1, 64) and triton_fits((256, 256), 1, 64)
+    qkv = torch.randn(1, 13, 3 * 16)
+    with pytest.raises(ValueError, match="'triton' has no dropout"):
+        packed_axial_attn(qkv, 1, (3, 4), 1, dropout_p=0.1, backend="triton")

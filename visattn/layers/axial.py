@@ -7,7 +7,8 @@ import torch.nn as nn
 from visattn.layers.base import GridAttention
 from visattn.layers.cost import CostCase, MixingMemory
 from visattn.ops.axial import axial_attn, packed_axial_attn
-from visattn.ops.backends import choose_axial_backend
+from visattn.ops.axial.triton import triton_fits
+from visattn.ops.backends import choose_axial_backend, planned_backend
 
 
 class AxialAttention(GridAttention):
@@ -28,7 +29,7 @@ class AxialAttention(GridAttention):
     def project_and_mix(self, x, grid, attn_mask, is_causal) -> torch.Tensor:
         """Without q/k norms and rope the op runs on the qkv projection itself
         (:func:`visattn.ops.packed_axial_attn`), whose gradient then comes back in one piece on the
-        ``"cpu_kernels"`` path."""
+        ``"cpu_kernels"`` and ``"triton"`` paths; the Triton kernels read q, k, v from it in place."""
         plain_qk = isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
         if not plain_qk or self.rope is not None:
             return super().project_and_mix(x, grid, attn_mask, is_causal)
@@ -47,17 +48,34 @@ class AxialAttention(GridAttention):
 
     @classmethod
     def mixing_memory(cls, case: CostCase) -> MixingMemory:
-        """Inference: the row hop's output and the op's output, on plain SDPA everywhere. Training on the
-        path :func:`visattn.ops.backends.choose_axial_backend` picks on the case's device: on the CPU's,
-        q, k, v, which :func:`visattn.ops.axial_attn` keeps on every path (left out: the column hop's
-        contiguous copies in inference, and the row hop's output and log-sum-exps the CPU path keeps for
-        the backward); off the CPU, autograd through SDPA (:func:`sdpa_train_memory`)."""
+        """Inference: the row hop's output and the op's output. Training on the path
+        :func:`visattn.ops.backends.choose_axial_backend` picks on the case's device (or the one forced
+        with :func:`~visattn.ops.backends.force_backend`): on the CPU's, q, k, v, which
+        :func:`visattn.ops.axial_attn` keeps on every path (left out: the column hop's contiguous copies
+        in inference on SDPA, and the row hop's output and log-sum-exps the CPU path keeps for the
+        backward); on CUDA's Triton kernels, :func:`triton_train_memory`; on SDPA (other devices, or
+        CUDA where the kernels do not fit), autograd through it (:func:`sdpa_train_memory`)."""
         n, c, act_bytes = case.layout.num_tokens, case.dim, case.act_bytes
-        if choose_axial_backend(case.device, 0.0, needs_grad=True) == "sdpa":
+        fits = triton_fits(case.layout.grid, case.layout.num_prefix_tokens, case.head_dim)
+        path = planned_backend("axial", lambda: choose_axial_backend(case.device, 0.0, True, triton_fits=fits))
+        if path == "sdpa":
             train = sdpa_train_memory(case)
+        elif path == "triton":
+            train = triton_train_memory(case)
         else:
             train = 3 * n * c * act_bytes
         return MixingMemory(infer=2 * n * c * act_bytes, train=train)
+
+
+def triton_train_memory(case: CostCase) -> int:
+    """Bytes per image that the Triton kernels (the ``"triton"`` path) keep for the backward: the qkv
+    projection (q, k and v are views of it), the row hop's output (the column hop's values, N tokens with
+    v's prefix tokens) and the fp32 log-sum-exps of the row hop, the column hop and the prefix queries,
+    per head. The op's own output, which the backward reads too, is the projection's input, counted
+    with the block."""
+    layout = case.layout
+    m, p = layout.num_patches, layout.num_prefix_tokens
+    return 4 * layout.num_tokens * case.dim * case.act_bytes + 4 * case.num_heads * (2 * m + p)
 
 
 def sdpa_train_memory(case: CostCase) -> int:

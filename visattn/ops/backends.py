@@ -39,8 +39,10 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     # heads, then linear_attn
     "projected_linear": ("fused_qkv", "packed", "split"),
     # visattn.ops.axial_attn: the CPU's fused SDPA kernels with a hand-written backward, plain SDPA
-    # (autograd through it), plain SDPA recomputed in the backward (activation checkpointing)
-    "axial": ("cpu_kernels", "sdpa", "sdpa_checkpoint"),
+    # (autograd through it), plain SDPA recomputed in the backward (activation checkpointing), or Triton
+    # kernels on strided views of the qkv projection, copying nothing (visattn.ops.axial.triton; CUDA, or
+    # the CPU interpreted)
+    "axial": ("cpu_kernels", "sdpa", "sdpa_checkpoint", "triton"),
     # the tiled engine of the local ops: tiles a chunk at a time into cache-sized buffers (no autograd),
     # all tiles gathered at once (differentiable), attention over all tokens with the windows as a mask,
     # FlexAttention's block-sparse kernel over the tokens in tile order (visattn.ops.local.flex; CUDA), or
@@ -90,6 +92,12 @@ def select_backend(op: str, backend: str | None, choose: Callable[[], str]) -> s
         _logged.add((op, name, how))
         _log.debug("%s: %s backend (%s)", op, name, how)
     return name
+
+
+def planned_backend(op: str, choose: Callable[[], str]) -> str:
+    """The path ``op`` would take, for the cost model: the one forced by :func:`force_backend`, else
+    ``choose()``. Unlike :func:`select_backend` it logs nothing, since nothing runs."""
+    return _forced.get(op) or choose()
 
 
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:
@@ -151,12 +159,21 @@ def cpu_kernels_apply(device: torch.device, dropout_p: float) -> bool:
     return device.type == "cpu" and not dropout_p and not torch.is_autocast_enabled("cpu")
 
 
-def choose_axial_backend(device: torch.device, dropout_p: float, needs_grad: bool) -> str:
-    """Without autograd, in a compiled graph (the compiler fuses the plain formulation) or off the CPU
-    (the device's fused kernels keep their log-sum-exps for their own backward): plain SDPA. On the
-    CPU with autograd: the CPU kernels where they apply and SDPA's fused (flash) backend is enabled
-    (``torch.nn.attention.sdpa_kernel`` can select another), else SDPA recomputed in the backward,
-    which keeps only q, k and v."""
+def choose_axial_backend(
+    device: torch.device, dropout_p: float, needs_grad: bool, triton_fits: bool = True
+) -> str:
+    """On CUDA without dropout, where Triton is installed and the grid, prefix tokens and head dim fit
+    its kernels' tiles (``triton_fits``: :func:`visattn.ops.axial.triton.triton_fits`): the Triton
+    kernels, which read q, k, v in place from the qkv projection and write the output token-major, where
+    SDPA's path copies the prefix keys in front of every row and column, the columns themselves and the
+    output; with or without autograd, compiled or not (provisional until a GPU run has timed it against
+    SDPA). Else without autograd, in a compiled graph (the compiler fuses the plain formulation) or off
+    the CPU (the device's fused kernels keep their log-sum-exps for their own backward): plain SDPA. On
+    the CPU with autograd: the CPU kernels where they apply and SDPA's fused (flash) backend is enabled
+    (``torch.nn.attention.sdpa_kernel`` can select another), else SDPA recomputed in the backward, which
+    keeps only q, k and v."""
+    if device.type == "cuda" and not dropout_p and triton_fits and triton_runs_on(device):
+        return "triton"
     if not needs_grad or not _eager_on_cpu(device):
         return "sdpa"
     if cpu_kernels_apply(device, dropout_p) and torch.backends.cuda.flash_sdp_enabled():  # read on every device

@@ -18,18 +18,33 @@ from torch.utils.checkpoint import checkpoint
 
 from visattn.ops.axial.cpu_kernels import CPUKernelsAxialAttention, PackedCPUKernelsAxialAttention
 from visattn.ops.axial.hops import rows_then_columns
+from visattn.ops.axial.triton import (
+    DTYPES,
+    check_triton_axial,
+    packed_triton_axial_attn,
+    triton_axial_attn,
+    triton_fits,
+)
 from visattn.ops.backends import choose_axial_backend, cpu_kernels_apply, needs_autograd, select_backend
 from visattn.ops.checks import check_dropout, check_grid, check_packed_qkv, check_qkv
 from visattn.ops.layout import merge_heads, split_qkv
 
 
-def _select(op: str, t: torch.Tensor, dropout_p: float, needs_grad: bool, backend: str | None) -> str:
-    name = select_backend("axial", backend, lambda: choose_axial_backend(t.device, dropout_p, needs_grad))
+def _select(
+    op: str, t: torch.Tensor, grid: tuple[int, int], p: int, head_dim: int, dropout_p: float, needs_grad: bool,
+    backend: str | None,
+) -> str:
+    fits = t.dtype in DTYPES and triton_fits(grid, p, head_dim)
+    name = select_backend("axial", backend, lambda: choose_axial_backend(t.device, dropout_p, needs_grad, fits))
     if name == "cpu_kernels" and not cpu_kernels_apply(t.device, dropout_p):
         raise ValueError(
             f"{op}: backend 'cpu_kernels' needs a CPU tensor, dropout_p=0 and no autocast; got device "
             f"{t.device.type}, dropout_p={dropout_p}; use 'sdpa' or 'sdpa_checkpoint'"
         )
+    if name == "triton":
+        if dropout_p:
+            raise ValueError(f"{op}: backend 'triton' has no dropout, got dropout_p={dropout_p}; use 'sdpa'")
+        check_triton_axial(op, grid, p, head_dim, t)
     return name
 
 
@@ -45,9 +60,10 @@ def axial_attn(
 ) -> torch.Tensor:
     """Row-then-column softmax attention over the patch grid, prefix keys visible in both hops.
 
-    The row hop reads strided views of q, k, v (the prefix keys and values are concatenated in front);
-    the column hop works on contiguous copies of its columns, which the fused kernel reads much faster
-    than column views. The output is token-major.
+    On the SDPA paths the row hop reads strided views of q, k, v (the prefix keys and values are
+    concatenated in front); the column hop works on contiguous copies of its columns, which the fused
+    kernel reads much faster than column views. The Triton path reads q, k, v in place and copies
+    nothing. The output is token-major.
 
     Args:
         q, k, v: (B, heads, N, d), N = num_prefix_tokens + H * W, prefix tokens first, patches in
@@ -59,15 +75,20 @@ def axial_attn(
         backend: ``"cpu_kernels"`` (CPU, no dropout: the fused kernels with a hand-written backward that
             keeps q, k, v, the row hop's output and the log-sum-exps), ``"sdpa"`` (autograd through
             SDPA), ``"sdpa_checkpoint"`` (SDPA, the hops recomputed in the backward: only q, k and v
-            are kept); None: chosen by :func:`visattn.ops.backends.choose_axial_backend`.
+            are kept), ``"triton"`` (CUDA, or the CPU interpreted; no dropout: the kernels of
+            :mod:`visattn.ops.axial.triton`, with a flash-style backward that keeps q, k, v, the row hop's
+            output and the log-sum-exps); None: chosen by :func:`visattn.ops.backends.choose_axial_backend`.
     Returns:
         (B, heads, N, d), a view of a token-major (B, N, heads, d) tensor.
     """
     check_qkv(q, k, v, "axial_attn")
     check_dropout(dropout_p, "axial_attn")
     h, _ = check_grid(grid, q.shape[2], num_prefix_tokens, "axial_attn")
-    name = _select("axial_attn", q, dropout_p, needs_autograd(q, k, v), backend)
+    needs_grad = needs_autograd(q, k, v)
+    name = _select("axial_attn", q, grid, num_prefix_tokens, q.shape[-1], dropout_p, needs_grad, backend)
     args = (q, k, v, h, num_prefix_tokens, dropout_p, scale)
+    if name == "triton":
+        return triton_axial_attn(q, k, v, grid, num_prefix_tokens, scale)
     if name == "cpu_kernels":
         return CPUKernelsAxialAttention.apply(q, k, v, h, num_prefix_tokens, scale)
     if name == "sdpa_checkpoint":
@@ -84,12 +105,16 @@ def packed_axial_attn(
     backend: str | None = None,
 ) -> torch.Tensor:
     """:func:`axial_attn` on a qkv projection: (B, N, 3 C) laid out as timm's (q, k, v, then heads of
-    d = C / num_heads) -> (B, N, C), heads merged. On the ``"cpu_kernels"`` path the gradient is one
-    (B, N, 3 C) tensor."""
+    d = C / num_heads) -> (B, N, C), heads merged. On the ``"cpu_kernels"`` and ``"triton"`` paths the
+    gradient is one (B, N, 3 C) tensor, and the Triton kernels read q, k, v from ``qkv`` in place."""
     check_packed_qkv(qkv, num_heads, "packed_axial_attn")
     check_dropout(dropout_p, "packed_axial_attn")
     h, _ = check_grid(grid, qkv.shape[1], num_prefix_tokens, "packed_axial_attn")
-    name = _select("packed_axial_attn", qkv, dropout_p, needs_autograd(qkv), backend)
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    needs_grad = needs_autograd(qkv)
+    name = _select("packed_axial_attn", qkv, grid, num_prefix_tokens, head_dim, dropout_p, needs_grad, backend)
+    if name == "triton":
+        return packed_triton_axial_attn(qkv, num_heads, grid, num_prefix_tokens)
     if name == "cpu_kernels":
         return PackedCPUKernelsAxialAttention.apply(qkv, num_heads, h, num_prefix_tokens, None)
     return merge_heads(axial_attn(*split_qkv(qkv, num_heads), grid, num_prefix_tokens, dropout_p, backend=name))

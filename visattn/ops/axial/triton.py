@@ -602,19 +602,24 @@ if HAS_TRITON:
     _packed_op.register_autograd(_packed_backward, setup_context=_setup_context)
 
 
+def triton_fits(grid: tuple[int, int], num_prefix_tokens: int, head_dim: int) -> bool:
+    """Whether one program holds a row, a column, the prefix tokens and a head: each at most :data:`MAX_LINE`."""
+    return max(*grid, num_prefix_tokens, head_dim) <= MAX_LINE
+
+
 def check_triton_axial(
     op: str, grid: tuple[int, int], num_prefix_tokens: int, head_dim: int, t: torch.Tensor
 ) -> None:
     """Raises a one-line ValueError where the ``triton`` path cannot take the inputs: its device (see
     :func:`visattn.ops.triton_support.check_triton_runs_on`), its dtype, or a grid side, prefix or head
-    longer than the :data:`MAX_LINE` tokens one program holds."""
+    longer than :func:`triton_fits` allows."""
     check_triton_runs_on(op, t.device)
     if t.dtype not in DTYPES:
         raise ValueError(f"{op}: the 'triton' backend takes float32, float16 or bfloat16 tensors, got {t.dtype}")
-    sizes = {"grid height": grid[0], "grid width": grid[1], "num_prefix_tokens": num_prefix_tokens}
-    sizes["head_dim"] = head_dim
-    too_long = ", ".join(f"{name} {size}" for name, size in sizes.items() if size > MAX_LINE)
-    if too_long:
+    if not triton_fits(grid, num_prefix_tokens, head_dim):
+        sizes = {"grid height": grid[0], "grid width": grid[1], "num_prefix_tokens": num_prefix_tokens}
+        sizes["head_dim"] = head_dim
+        too_long = ", ".join(f"{name} {size}" for name, size in sizes.items() if size > MAX_LINE)
         raise ValueError(
             f"{op}: the 'triton' backend takes a grid height and width, num_prefix_tokens and head_dim of at "
             f"most {MAX_LINE}; got {too_long}"
