@@ -73,7 +73,8 @@ def test_report_and_summary_are_per_batch(batched):
     report = (out / "bench.md").read_text()
     assert report.startswith("# visattn-bench: visattn_vit_small_patch16 vs timm vit_small_patch16_224, batch 1, 3,")
     assert "## Inference (forward), batch 1\n" in report and "## Inference (forward), batch 3\n" in report
-    assert "| attn | infer batch 1 time | infer batch 1 memory | infer batch 3 time | infer batch 3 memory |" in report
+    assert "## Scaling exponents" not in report  # one size: no exponent to fit
+    assert "| attn | infer batch 1 | infer batch 3 |" in report  # the crossover, per batch
     assert set(summary["exponents"]["linear"]["infer"]) == {"1", "3"}
     assert set(summary["crossover"]["linear"]["infer"]) == {"1", "3"}
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

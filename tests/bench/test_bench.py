@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import visattn
-from visattn.bench import cli, runners, sweep_cli, sweep_report, sweep_summary, timing
+from visattn.bench import cli, memory, ratios, runners, sweep_cli, sweep_report, sweep_summary, timing
 from visattn.bench.flops import ViTShape, estimate_memory, mixing_flops, train_flops, vit_flops
 from visattn.bench.sweep import Case, Result, plan_model_sweep, plan_ops_sweep
 from visattn.layers import ATTENTION_LAYERS, GridAttention, attention_options
@@ -111,6 +111,36 @@ def test_sweep_skips_over_max_memory_with_its_estimate(sweep):
     assert "| linear | 1024 | 4096 | skipped: estimated" in stdout
 
 
+def test_a_cpu_report_prints_no_memory_estimate_beside_the_peak(sweep):
+    """On a CPU the peak resident set holds the runtime the estimate leaves out: no band, no est. MB column;
+    the CSV keeps the estimate, which the skips are decided by."""
+    out, _, stdout = sweep
+    assert "| peak MB | params (M) |" in stdout and "est. MB" not in stdout
+    assert all(r["infer_mem_estimate_mb"] for r in _read_csv(out / "bench.csv"))
+
+
+def _cuda_point(tokens: int = 64) -> list[Result]:
+    """timm, floor and linear at one CUDA point, each with three timed rounds and a peak."""
+    results = []
+    for attn, seconds in (("timm", 2.0), ("floor", 1.0), ("linear", 1.5)):
+        case = Case(kind="model", attn=attn, mode="infer", size=(tokens, tokens), batch_size=1, device="cuda:1",
+                    dtype="bf16", compile=False)
+        r = Result(case, tokens, (8, 8), flops=10**9, estimate_bytes=100 * 2**20, param_count=10**6)
+        r.times, r.rounds, r.build_bytes, r.peak_bytes = [seconds] * 3, [0, 1, 2], 50 * 2**20, 120 * 2**20
+        results.append(r)
+    return results
+
+
+def test_a_cuda_report_prints_the_estimate_with_its_band():
+    results = _cuda_point()
+    text = sweep_report.markdown_report(results, sweep_summary.summarize(results, 3), 3)
+    band = memory.estimate_band("model", "cuda")
+    assert (band.low, band.high) == (1.02, 1.46)
+    assert "the measured peaks were 1.02 to 1.46 times it." in text
+    assert "| % floor (IQR) | x timm (IQR) | peak MB | est. MB | params (M) |" in text
+    assert "| linear | 64 | 64 |" in text and "| 120 | 100 | 1 |" in text
+
+
 def test_sweep_markdown_plot_and_summary(sweep):
     out, _, stdout = sweep
     assert stdout.startswith("# visattn-bench: visattn_vit_small_patch16 vs timm vit_small_patch16_224")
@@ -134,16 +164,17 @@ def test_calibrate_writes_what_auto_reads(sweep, monkeypatch):
     assert auto.select_attention("visattn_vit_small_patch16", (64, 64)) == "linear"
 
 
-def test_ops_mode_reports_seed_claims(tmp_path):
+def test_ops_mode_reports_each_op_beside_the_fused_softmax(tmp_path):
     argv = ["--ops", "--grids", "16x32", "--heads", "2", "--head-dim", "8", "--attn", "linear", "sparse"]
     stdout = _run(argv + FAST + ["--modes", "infer", "--device", "cpu", "--out", str(tmp_path)])
     rows = _read_csv(tmp_path / "ops.csv")
     assert [r["attn"] for r in rows] == ["softmax", "softmax_explicit", "linear", "sparse"]
     assert all(r["tokens"] == "512" and r["infer_status"] == "ok" for r in rows)
-    assert [r["seed_claimed_ms"] for r in rows] == ["standard: 100", "standard: 100", "linear: 60", "sparse: 80"]
     assert float(rows[0]["infer_gflops"]) == pytest.approx(4 * 512**2 * 16 / 1e9, rel=1e-3)
     assert "infer_speedup_vs_timm" not in rows[0] and "infer_pct_of_floor" not in rows[0]
-    assert "| softmax | 16x32 | 512 |" in stdout and "seed claim (ms)" in stdout
+    assert "| attn | grid | tokens | ms/step | GFLOPs | GFLOP/s | peak MB |" in stdout
+    assert "| softmax | 16x32 | 512 |" in stdout
+    assert not any("seed" in column for column in rows[0]) and "seed" not in stdout
     assert (tmp_path / "ops.png").exists()
 
 
@@ -269,6 +300,8 @@ def test_references_can_leave_timm_out(tmp_path):
     assert all(r["infer_speedup_vs_timm"] == "" and float(r["infer_pct_of_floor"]) > 0 for r in rows)
     with open(tmp_path / "bench_summary.json") as f:
         assert json.load(f)["crossover"] == {}
+    report = (tmp_path / "bench.md").read_text()
+    assert "## Crossover" not in report and "## Scaling exponents" in report
 
 
 def test_tiled_reference_row_runs_timm_on_tiles(tmp_path):
@@ -567,19 +600,59 @@ def test_fit_exponent_recovers_the_slope_of_the_largest_sizes():
 @pytest.mark.parametrize(
     "points, expected",
     [
-        ([(196, 2.0, 1.0), (1024, 1.5, 1.6), (4096, 2.0, 9.0)], 1024),
-        ([(196, 2.0, 1.0), (1024, 3.0, 2.0)], None),  # never beats timm
-        ([(196, 0.5, 1.0), (1024, 3.0, 2.0)], None),  # beats it at the small size only
-        ([(196, 0.5, 1.0), (1024, 3.0, 2.0), (4096, 5.0, 9.0)], 4096),
-        ([(196, 2.0, 1.0), (1024, 3.0, None)], 1024),  # timm out of memory, the type ran
-        ([(196, 2.0, 1.0), (1024, 0.9, 1.0), (4096, None, None)], 1024),  # neither ran: ignored
-        ([(196, 0.9, 1.0), (1024, None, 2.0)], None),  # the type ran out of memory
-        ([(1024, 1.0, 1.0)], None),  # a tie is not a win
+        ([(196, False), (1024, True), (4096, True)], 1024),
+        ([(196, False), (1024, False)], None),  # never beats timm
+        ([(196, True), (1024, False)], None),  # beats it at the small size only
+        ([(196, True), (1024, False), (4096, True)], 4096),
+        ([(196, False), (1024, True), (4096, None)], 1024),  # neither ran at the largest size: ignored
     ],
 )
 def test_crossover_tokens(points, expected):
     assert sweep_summary.crossover_tokens(points) == expected
     assert sweep_summary.crossover_tokens(list(reversed(points))) == expected
+
+
+def _timed(attn: str, tokens: int, round_seconds: list[float] | None, mode: str = "infer") -> Result:
+    """A model row at ``tokens`` whose round k took ``round_seconds[k]``; None: it did not run (out of memory)."""
+    case = Case(kind="model", attn=attn, mode=mode, size=(tokens, tokens), batch_size=1, device="cpu", dtype="fp32",
+                compile=False)
+    r = Result(case, tokens, (1, tokens), flops=1, estimate_bytes=0, param_count=0)
+    if round_seconds is None:
+        r.status = "oom"
+    else:
+        r.times, r.rounds = list(round_seconds), list(range(len(round_seconds)))
+    return r
+
+
+@pytest.mark.parametrize(
+    "own, timm, beats",
+    [
+        ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], True),
+        ([2.0, 2.0, 2.0], [2.0, 2.0, 2.0], False),  # a tie is not a win
+        ([1.0, 1.0, 1.0], None, True),  # timm out of memory, the type ran
+        (None, [2.0, 2.0, 2.0], False),  # the type out of memory
+        (None, None, None),  # neither ran: ignored
+    ],
+)
+def test_beats_reference_by_the_median_of_the_per_round_ratio(own, timm, beats):
+    results = [_timed("timm", 100, timm), _timed("linear", 100, own)]
+    assert sweep_summary.beats_reference(results, results[1], "timm") is beats
+
+
+def test_crossover_reads_the_per_round_ratio_as_x_timm_does_not_the_median_steps():
+    """Drift that slows timm's first rounds and the type's last: the median steps say the type is faster
+    (1.5 s against 2.0 s), while in three rounds of five it is slower than timm beside it. The crossover
+    follows the per-round ratio, the statistic of the x timm column, and both say it does not win."""
+    timm = [2.0, 2.0, 2.0, 0.5, 0.5]
+    own = [1.5, 1.5, 2.5, 0.6, 0.6]
+    results = [_timed("timm", 100, timm), _timed("linear", 100, own)]
+    assert results[1].step_time < results[0].step_time
+    speedup = ratios.speedup_vs_timm(results, results[1])
+    assert speedup.median == pytest.approx(0.5 / 0.6)
+    summary = sweep_summary.summarize(results, 3)
+    assert summary["crossover"]["linear"]["infer"]["1"] is None
+    results += [_timed("timm", 400, [4.0] * 5), _timed("linear", 400, [1.0] * 5)]
+    assert sweep_summary.summarize(results, 3)["crossover"]["linear"]["infer"]["1"] == 400
 
 
 # ---------------------------------------------------------------------------------------------------

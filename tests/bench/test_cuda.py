@@ -265,7 +265,7 @@ def test_cuda_model_sweep_bf16(tmp_path):
         for mode in ("infer", "train"):
             assert r[f"{mode}_status"] == "ok" and int(r[f"{mode}_iters"]) >= 5 and float(r[f"{mode}_peak_mem_mb"]) > 0
     assert rows["linear"]["infer_speedup_vs_timm"] and rows["linear"]["train_pct_of_floor"]
-    assert "est. MB (lower bound)" in out
+    assert "| peak MB | est. MB | params (M) |" in out and "the measured peaks were 1.02 to 1.46 times it." in out
 
 
 @pytest.mark.cuda

@@ -1,10 +1,13 @@
-"""The benchmark's memory estimate on CUDA against the peaks measured on an NVIDIA H200."""
+"""The benchmark's memory estimate on CUDA against the peaks measured on an NVIDIA H200, and the band the
+reports state for it."""
 from __future__ import annotations
 
 import pytest
 
 from visattn.bench import sweep_cli
+from visattn.bench.memory import estimate_band
 from visattn.bench.sweep import plan_model_sweep
+from visattn.ops.backends import force_backend
 
 MIB = 2**20
 
@@ -70,7 +73,8 @@ def _plan_the_h200_command(device: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def cuda_estimates_mib() -> dict[str, float]:
-    return _plan_the_h200_command("cuda")
+    with force_backend("axial", "sdpa"):  # the path the H200 ran axial on, before its Triton kernels
+        return _plan_the_h200_command("cuda")
 
 
 @pytest.mark.parametrize("attn", list(H200_TRAIN_1024_B8_PEAK_MIB))
@@ -90,3 +94,47 @@ def test_the_cpu_estimates_are_those_of_that_run_and_miss_the_cuda_bound():
         assert cpu[attn] == pytest.approx(recorded, abs=0.05), attn
     assert not _within("axial", cpu["axial"])
     assert not _within("neighborhood", cpu["neighborhood"])
+
+
+# Every benchmark row of the GPU check at 564fa2c (docs/results/2026-11-27-h200-check.md, "Inference" and
+# "Training steps"; results/2026-11-27-h200-check/<stage>/bench.csv): (peak MiB, the estimate that run planned, MiB)
+# of each row, {mode}_peak_mem_mb and {mode}_mem_estimate_mb.
+H200_CHECK_PEAK_AND_ESTIMATE_MIB: dict[str, dict[str, tuple[float, float]]] = {
+    "infer 2048 px, batch 4": {
+        "timm": (1101.5, 875.9), "floor": (1101.5, 875.9), "linear": (1101.7, 876.0), "axial": (1101.5, 875.9),
+        "neighborhood": (1102.8, 878.9), "sparse": (1102.8, 878.9), "longformer": (1102.8, 878.9),
+        "linformer": (1485.5, 1291.9),
+    },
+    "infer 1024 px, batch 16": {
+        "timm": (1083.5, 858.0), "floor": (1083.5, 858.0), "linear": (1083.7, 858.1), "axial": (1083.5, 858.0),
+        "neighborhood": (1083.8, 865.5), "sparse": (1083.8, 865.5), "longformer": (1083.8, 865.5),
+        "linformer": (1179.5, 962.0),
+    },
+    "infer 224 px, batch 128": {
+        "timm": (487.3, 379.2), "floor": (487.3, 379.2), "linear": (555.1, 379.4), "axial": (487.3, 379.2),
+        "neighborhood": (487.4, 379.3), "sparse": (487.4, 379.3), "longformer": (487.4, 379.3),
+        "linformer": (491.9, 424.8),
+    },
+    "train 1024 px, batch 8": {
+        "timm": (6005.6, 5649.6), "floor": (5708.5, 4488.3), "linear": (6052.0, 5929.2), "axial": (8332.9, 7692.6),
+        "neighborhood": (6316.9, 5689.3),
+    },
+    "train 2048 px, batch 2": {"timm": (6061.7, 5720.6), "floor": (5764.3, 4559.6), "linear": (6104.5, 6000.3)},
+}
+
+
+def test_the_stated_cuda_band_is_the_h200_checks_peaks_over_their_estimates():
+    """The band the CUDA reports state is where the GPU check's 32 peaks fell against the estimates that run
+    planned: the lowest quotient at its low end and the highest at its high end (to its two decimals). It is
+    a statement about that commit's paths: the Triton paths added since were not measured on a GPU."""
+    band = estimate_band("model", "cuda")
+    quotients = [peak / estimate for rows in H200_CHECK_PEAK_AND_ESTIMATE_MIB.values() for peak, estimate in rows.values()]
+    assert len(quotients) == 32
+    assert (round(min(quotients), 2), round(max(quotients), 2)) == (band.low, band.high) == (1.02, 1.46)
+    assert "564fa2c" in band.measured_on
+
+
+def test_no_band_is_stated_for_the_cpu_or_the_ops():
+    assert estimate_band("model", "cpu") is None
+    assert estimate_band("op", "cuda") is None and estimate_band("op", "cpu") is None
+    assert estimate_band("model", "cuda:1") == estimate_band("model", "cuda")

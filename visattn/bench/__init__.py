@@ -15,19 +15,21 @@ checkpointing (``--grad-checkpointing``).
 Per row: images/s, tokens/s and ms per step (timm's ``infer_samples_per_sec``, ``infer_step_time``, ...),
 analytic GFLOPs per image (training = forward + backward), achieved GFLOP/s, % of floor's images/s and
 speed-up over timm (each the median over the interleaved rounds of the per-round ratio, with its
-interquartile range), peak memory, and the parameter count (millions, ``param_count``). Outputs: a
+interquartile range), peak memory (on CUDA beside its estimate, :data:`~visattn.bench.memory.ESTIMATE_BANDS`),
+and the parameter count (millions, ``param_count``). Outputs: a
 markdown report on stdout (also ``bench.md``; one table per mode and batch size), ``bench.csv`` (one row
 per type, size and batch size), ``bench.png`` (images/s and peak memory against tokens, log-log, one row
 of panels per mode and batch size) and ``bench_summary.json`` in ``--out``. The report adds, per mode
 and batch size, the scaling exponents of step time and memory against tokens (log-log slope over the
 largest ``--fit-points`` sizes; memory above the model's own footprint) and, per type, the crossover:
-the smallest token count from which it beats timm at every larger measured size; then the verdict on
+the smallest token count from which it beats timm at every larger measured size, by the per-round ratio of
+``x timm``; then the verdict on
 each target of :mod:`~visattn.bench.targets` at a point the run measured. ``--calibrate`` also writes,
 from this sweep, the calibration that ``attn="auto"`` reads, per batch size.
 
 Ops mode (``--ops``): the token mixing alone (each layer's ``mix`` on random q, k, v; 6 heads of 64, as
 ViT-S) on grids of 512 to 32,768 tokens, at each ``--batch-size``, in the same harness, beside
-``softmax_explicit`` (softmax with explicit N x N scores) and the seed table's claimed times.
+``softmax_explicit`` (softmax with explicit N x N scores).
 
 Max-tokens mode (``visattn-bench max-tokens``): the largest token count each type runs forward and
 trains (batch 1) within ``--max-memory``, by doubling and bisecting, one capped process per trial.
@@ -52,7 +54,7 @@ The modules, in the order a run uses them:
 * :mod:`~visattn.bench.ratios`: the ratios between rows, round by round, with their spread;
 * :mod:`~visattn.bench.sweep_summary`: scaling exponents and crossovers;
 * :mod:`~visattn.bench.sweep_report`: the sweep's tables, CSV and plot;
-* :mod:`~visattn.bench.targets`: the speed and memory targets and their check; the seed's claims;
+* :mod:`~visattn.bench.targets`: the speed and memory targets and their check;
 * :mod:`~visattn.bench.calibrate`: the calibration of ``attn="auto"``;
 * :mod:`~visattn.bench.max_tokens_cli`: the max-tokens command line, and its run from arguments to written reports;
 * :mod:`~visattn.bench.max_tokens`: the max-tokens search (doubling, then bisecting) and its rows;

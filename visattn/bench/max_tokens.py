@@ -9,7 +9,7 @@ runs on the most square grid of at most n tokens (:func:`square_grid`): ``isqrt(
 (8,190); every count is reported as the tokens of the grid that ran. Model rows (default) run the model
 (``--model``, images of grid x patch pixels, one class token on top) for every type beside ``timm`` and
 ``floor`` as in the model sweep; ``--ops`` runs one layer's token mixing alone beside
-``softmax_explicit``, the seed's "standard" attention with its N x N scores. Forward: one forward
+``softmax_explicit``, softmax attention with its N x N scores written out. Forward: one forward
 under ``inference_mode``. Training: forward, backward and, for a model, an AdamW step, twice, so that
 the peak includes the optimizer's state.
 

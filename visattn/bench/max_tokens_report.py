@@ -8,19 +8,12 @@ from typing import Any
 
 from visattn.bench.max_tokens import MaxTokensPlan, Row
 from visattn.bench.memory import MB
-from visattn.bench.sweep import TIMM
 from visattn.bench.sweep_report import write_csv
-from visattn.bench.targets import SEED_CLAIM_OF_ROW, SEED_MAX_TOKENS
 
 
 def _grid_label(grid: tuple[int, int], patch: tuple[int, int], ops: bool) -> str:
     label = f"{grid[0]}×{grid[1]}"
     return label if ops else f"{label} ({grid[0] * patch[0]}×{grid[1] * patch[1]} px)"
-
-
-def _seed_claim(attn: str) -> str:
-    kind = SEED_CLAIM_OF_ROW.get("softmax" if attn == TIMM else attn)
-    return "" if kind is None else f"{kind}: ~{SEED_MAX_TOKENS[kind]:,}"
 
 
 def _stop_text(row: Row, patch: tuple[int, int], ops: bool) -> str:
@@ -64,7 +57,6 @@ def max_tokens_csv_rows(rows: list[Row], plan: MaxTokensPlan) -> list[dict[str, 
             "message": row.error or "; ".join(t.message for t in (row.timed_out, failing) if t is not None),
             "trials": len(row.trials),
             "seconds": round(sum(t.seconds for t in row.trials.values()), 1),
-            "seed_claim": _seed_claim(row.attn),
         }
         out.append(record)
     return out
@@ -91,14 +83,12 @@ def max_tokens_report(rows: list[Row], plan: MaxTokensPlan) -> str:
     for mode in a.modes:
         name = "forward" if mode == "infer" else "training"
         header += [f"{name}: max tokens", f"{name}: grid", f"{name}: peak MB", f"{name}: stopped by"]
-    header.append("seed claim")
     lines = _heading(a) + ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     by_key = {(r.attn, r.mode): r for r in rows}
     for attn in plan.rows:
         cells = [f"`{attn}`"]
         for mode in a.modes:
             cells += _mode_cells(by_key.get((attn, mode)), plan)
-        cells.append(_seed_claim(attn))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -101,7 +101,13 @@ def pct_of_floor(results: list[Result], r: Result) -> Spread | None:
     return None if ratio is None else ratio.scaled(100)
 
 
+def speedup_over(results: list[Result], r: Result, reference: str) -> Spread | None:
+    """``r``'s images/s over row ``reference``'s at its point, per round (linked through floor across memory
+    groups): the statistic of ``x timm`` and of the crossover."""
+    other = row_at_point(results, reference, r)
+    return None if other is None else rate_ratio(r, other, link=row_at_point(results, FLOOR, r))
+
+
 def speedup_vs_timm(results: list[Result], r: Result) -> Spread | None:
     """``r``'s images/s over timm's at its point, per round (linked through floor across memory groups)."""
-    timm = row_at_point(results, TIMM, r)
-    return None if timm is None else rate_ratio(r, timm, link=row_at_point(results, FLOOR, r))
+    return speedup_over(results, r, TIMM)

@@ -3,9 +3,10 @@ with the analysis behind them (:mod:`visattn.bench.sweep_summary`) and the targe
 
 Every table, CSV row, plot panel, exponent and crossover is of one batch size: a point's rows are compared
 only with the references of the same image size, mode and batch. ``% floor`` and ``x timm`` are medians of
-per-round ratios with their interquartile range (:mod:`visattn.bench.ratios`). ``est. MB (lower bound)``
-(``*_mem_estimate_mb`` in the CSV) is the plan's analytic estimate, which the sweep uses to skip and to
-group: measured peaks on CPU have been 2.5 to 4 times above it, so it is a lower bound, not a forecast."""
+per-round ratios with their interquartile range (:mod:`visattn.bench.ratios`). ``*_mem_estimate_mb`` in the
+CSV is the plan's analytic estimate, which the sweep uses to skip and to group; the tables print it (``est. MB``)
+only where measured peaks were within a stated band of it (:data:`visattn.bench.memory.ESTIMATE_BANDS`), and the
+report's heading states that band."""
 from __future__ import annotations
 
 import csv
@@ -13,11 +14,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from visattn.bench.memory import MB
+from visattn.bench.memory import MB, estimate_band
 from visattn.bench.ratios import Spread, pct_of_floor, speedup_vs_timm
 from visattn.bench.sweep import FLOOR, TILED, TIMM, Result
 from visattn.bench.sweep_summary import round_significant, sweep_settings
-from visattn.bench.targets import MIN_ROUNDS, Verdict, seed_claim
+from visattn.bench.targets import MIN_ROUNDS, Verdict
 
 
 def _by_row(results: Iterable[Result]) -> dict[tuple[str, str, int], dict[str, Result]]:
@@ -64,8 +65,6 @@ def csv_rows(results: list[Result]) -> list[dict[str, Any]]:
             row["param_count"] = round(first.param_count / 1e6, 3)
         for mode, r in by_mode.items():
             row |= _mode_columns(results, mode, r)
-        if case.kind == "op":
-            row["seed_claimed_ms"] = seed_claim(attn, first.tokens)
         out.append(row)
     return out
 
@@ -122,8 +121,6 @@ def _table_cells(r: Result, results: list[Result]) -> dict[str, str]:
     ops = r.case.kind == "op"
     speed_column = "ms/step" if ops else "images/s"
     cells = {"attn": r.case.attn, "grid" if ops else "img": r.case.size_label, "tokens": str(r.tokens)}
-    if ops and r.case.mode == "infer":
-        cells["seed claim (ms)"] = seed_claim(r.case.attn, r.tokens)
     if r.ok:
         sps = r.samples_per_sec
         cells |= {"images/s": _fmt(sps, 4), "tokens/s": _fmt(r.tokens_per_sec, 4), "ms/step": _fmt(1000 * r.step_time, 4)}
@@ -134,7 +131,7 @@ def _table_cells(r: Result, results: list[Result]) -> dict[str, str]:
     else:
         cells[speed_column] = _status_cell(r)
     cells |= {"GFLOPs" if ops else "GFLOPs/img": _fmt(r.flops / 1e9, 4)}
-    cells |= {"peak MB": _fmt(_mb(r.peak_bytes), 6), "est. MB (lower bound)": _fmt(_mb(r.estimate_bytes), 6)}
+    cells |= {"peak MB": _fmt(_mb(r.peak_bytes), 6), "est. MB": _fmt(_mb(r.estimate_bytes), 6)}
     if not ops:
         cells["params (M)"] = _fmt(r.param_count / 1e6)
     return cells
@@ -189,7 +186,8 @@ def markdown_report(
 
 
 def _heading(results: list[Result]) -> list[str]:
-    """The title (what ran, where, in which dtype), what the ratios are and, with a tiled row, its tiling."""
+    """The title (what ran, where, in which dtype), what the ratios are, the memory estimate's band where it has
+    one and, with a tiled row, its tiling."""
     first = results[0].case
     ops = first.kind == "op"
     batches = ", ".join(str(b) for b in dict.fromkeys(r.case.batch_size for r in results))
@@ -203,6 +201,10 @@ def _heading(results: list[Result]) -> list[str]:
     if not ops:
         lines += ["% floor and x timm: the median over interleaved rounds of the per-round ratio, with its "
                   "interquartile range.", ""]
+    band = estimate_band(first.kind, first.device)
+    if band is not None:
+        lines += [f"est. MB: the memory estimate of the cost model; on {band.measured_on} the measured peaks were "
+                  f"{band.low:g} to {band.high:g} times it.", ""]
     tiled = next((r.case for r in results if r.case.attn == TILED), None)
     if tiled is not None:
         (th, tw), overlap = tiled.tile, tiled.tile_overlap
@@ -212,8 +214,10 @@ def _heading(results: list[Result]) -> list[str]:
 
 
 def _speed_tables(results: list[Result]) -> list[str]:
-    """One table per mode and batch size: every row's speed, FLOPs and memory."""
-    ops = results[0].case.kind == "op"
+    """One table per mode and batch size: every row's speed, FLOPs and memory (the estimate where it has a band)."""
+    first = results[0].case
+    ops = first.kind == "op"
+    estimate = ["est. MB"] if estimate_band(first.kind, first.device) is not None else []
     titles = (
         {"infer": "Forward", "train": "Forward + backward"}
         if ops
@@ -222,11 +226,10 @@ def _speed_tables(results: list[Result]) -> list[str]:
     lines = []
     for mode, batch_size in sweep_settings(results):
         if ops:
-            header = ["attn", "grid", "tokens", "ms/step"] + (["seed claim (ms)"] if mode == "infer" else [])
-            header += ["GFLOPs", "GFLOP/s", "peak MB", "est. MB (lower bound)"]
+            header = ["attn", "grid", "tokens", "ms/step", "GFLOPs", "GFLOP/s", "peak MB", *estimate]
         else:
             header = ["attn", "img", "tokens", "images/s", "tokens/s", "ms/step", "GFLOPs/img", "GFLOP/s",
-                      "% floor (IQR)", "x timm (IQR)", "peak MB", "est. MB (lower bound)", "params (M)"]
+                      "% floor (IQR)", "x timm (IQR)", "peak MB", *estimate, "params (M)"]
         lines += [f"## {titles[mode]}, batch {batch_size}", ""]
         rows = (r for r in results if (r.case.mode, r.case.batch_size) == (mode, batch_size))
         lines += _markdown_table(header, (_table_cells(r, results) for r in rows))
@@ -234,12 +237,18 @@ def _speed_tables(results: list[Result]) -> list[str]:
 
 
 def _exponents_section(results: list[Result], summary: dict[str, Any], fit_points: int) -> list[str]:
-    """The scaling exponents of step time and memory, per type, one column pair per mode and batch size."""
-    settings = sweep_settings(results)
-    labels = {(mode, b): _setting_label(mode, b, results) for mode, b in settings}
+    """The scaling exponents of step time and memory, per type, one column pair per mode and batch size that
+    has an exponent (two sizes measured at least); no section where none has."""
+    labels = {(mode, b): _setting_label(mode, b, results) for mode, b in sweep_settings(results)}
+    fitted = [
+        (m, b) for m, b in labels
+        if any(by_mode[m][str(b)][what] is not None for by_mode in summary["exponents"].values() for what in ("time", "memory"))
+    ]
+    if not fitted:
+        return []
     lines = [f"## Scaling exponents (log-log slope over the largest {fit_points} sizes)", ""]
     lines += ["Time: median step time; memory: peak above the footprint after building.", ""]
-    columns = [(setting, what) for setting in settings for what in ("time", "memory")]
+    columns = [(setting, what) for setting in fitted for what in ("time", "memory")]
     return lines + _markdown_table(
         ["attn"] + [f"{labels[setting]} {what}" for setting, what in columns],
         (
@@ -250,11 +259,16 @@ def _exponents_section(results: list[Result], summary: dict[str, Any], fit_point
 
 
 def _crossover_section(results: list[Result], summary: dict[str, Any]) -> list[str]:
-    """Per type, mode and batch size, the smallest token count from which it beats the crossover reference."""
+    """Per type, mode and batch size, the smallest token count from which it beats the crossover reference;
+    no section where the run has no reference row."""
+    if not summary["crossover"]:
+        return []
     settings = sweep_settings(results)
     labels = {(mode, b): _setting_label(mode, b, results) for mode, b in settings}
     reference = summary["crossover_reference"]
     lines = [f"## Crossover: smallest token count from which the type beats {reference} at every larger size", ""]
+    lines += [f"Beats: the median over the rounds of the per-round ratio of its speed to {reference}'s is above 1 "
+              "(the statistic of x timm).", ""]
     largest = {(m, b): max(r.tokens for r in results if (r.case.mode, r.case.batch_size) == (m, b)) for m, b in settings}
 
     def crossover_cell(tokens: int | None, setting: tuple[str, int]) -> str:

@@ -1,5 +1,9 @@
 """The analysis of a sweep behind its report and ``*_summary.json``: per attention type, mode and batch size,
-the scaling exponents of step time and memory against tokens and the crossover against the reference."""
+the scaling exponents of step time and memory against tokens and the crossover against the reference.
+
+The crossover reads the same statistic as the ``x timm`` column: at each size, the median over the rounds of
+the per-round ratio of the type's images/s to the reference's (:func:`visattn.bench.ratios.speedup_over`),
+never the ratio of two median step times, which a shared machine's drift can turn the other way."""
 from __future__ import annotations
 
 import math
@@ -7,7 +11,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from visattn.bench.ratios import row_at_point
+from visattn.bench.ratios import row_at_point, speedup_over
 from visattn.bench.sweep import TIMM, Result
 
 
@@ -34,24 +38,38 @@ def fit_exponent(tokens: Sequence[float], values: Sequence[float | None], points
     return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
 
 
-def crossover_tokens(points: Iterable[tuple[int, float | None, float | None]]) -> int | None:
+def crossover_tokens(points: Iterable[tuple[int, bool | None]]) -> int | None:
     """The smallest token count from which a type beats the reference at every larger measured count.
 
     Args:
-        points: (tokens, the type's step time, the reference's step time); None where it did not run
-            (skipped, out of memory). A type that ran beats a reference that did not; sizes where
-            neither ran are ignored.
+        points: (tokens, whether the type beats the reference there: :func:`beats_reference`); None where
+            neither ran, which is ignored.
     Returns:
         the token count, or None if the type does not beat the reference at the largest count.
     """
     crossover = None
-    for tokens, own, reference in sorted(points, reverse=True):
-        if own is None and reference is None:
+    for tokens, wins in sorted(points, key=lambda point: point[0], reverse=True):
+        if wins is None:
             continue
-        if own is None or (reference is not None and own >= reference):
+        if not wins:
             break
         crossover = tokens
     return crossover
+
+
+def beats_reference(results: list[Result], r: Result, reference: str) -> bool | None:
+    """Whether row ``r`` is faster than row ``reference`` at its point: the median of the per-round ratio of
+    their images/s above 1 (a tie is not a win). A type that ran beats a reference that did not (skipped,
+    out of memory) and loses where only the reference ran, or where no round connects the two; None where
+    neither ran."""
+    other = row_at_point(results, reference, r)
+    reference_ran = other is not None and other.ok
+    if not r.ok:
+        return False if reference_ran else None
+    if not reference_ran:
+        return True
+    ratio = speedup_over(results, r, reference)
+    return ratio is not None and ratio.median > 1
 
 
 def summarize(results: list[Result], fit_points: int) -> dict[str, Any]:
@@ -70,9 +88,6 @@ def summarize(results: list[Result], fit_points: int) -> dict[str, Any]:
                 "memory": round_significant(fit_exponent(tokens, [r.activation_bytes for r in mine], fit_points)),
             }
             if attn != reference and reference in attns:
-                points = []
-                for r in mine:
-                    other = row_at_point(results, reference, r)
-                    points.append((r.tokens, r.step_time, None if other is None else other.step_time))
+                points = [(r.tokens, beats_reference(results, r, reference)) for r in mine]
                 summary["crossover"].setdefault(attn, {}).setdefault(mode, {})[str(batch_size)] = crossover_tokens(points)
     return summary

@@ -1,4 +1,4 @@
-"""The speed and memory targets of visattn, and the seed table's claimed times.
+"""The speed and memory targets of visattn.
 
 :data:`TARGETS`: each target names a point of the model sweep (mode, square image size, batch size), a
 type (or :data:`OTHER_TYPES`), a measure and a threshold; :func:`check_targets` judges the ones a run
@@ -9,10 +9,6 @@ its per-round ratio (:mod:`visattn.bench.ratios`) clears the threshold; where th
 range straddles the threshold, the verdict says that the spread decided it (a rerun may turn it). Targets
 that are not a ratio at one point (the scaling exponents, the largest image that trains) are judged in
 the README from the summary and from their own runs.
-
-The seed's claims, shown beside the benchmark's own rows: :data:`SEED_CLAIMS_MS`, the times of its table
-(``visattn-bench --ops``), and :data:`SEED_MAX_TOKENS`, the longest sequence it says each kind of attention
-handles (``visattn-bench max-tokens``).
 """
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from visattn.bench.ratios import Spread, rate_ratio
-from visattn.bench.sweep import DEFAULT_MODEL, EXPLICIT_SOFTMAX, FLOOR, TIMM, Result
+from visattn.bench.sweep import DEFAULT_MODEL, FLOOR, TIMM, Result
 from visattn.layers import list_attentions
 
 # What a target is stated for: rows whose case differs in any of these fields are not judged.
@@ -197,29 +193,3 @@ def check_targets(
         verdicts += [v for v in (_judge(target, attn, rows) for attn in names) if v is not None]
     return verdicts
 
-
-# The seed's table (ms; None: out of memory) for its "standard", "sparse" (Longformer-style) and "linear"
-# attention, keyed by tokens, and the rows of the ops benchmark each claim is compared with.
-SEED_CLAIMS_MS: dict[int, dict[str, float | None]] = {
-    512: {"standard": 100.0, "sparse": 80.0, "linear": 60.0},
-    2048: {"standard": 1600.0, "sparse": 200.0, "linear": 100.0},
-    8192: {"standard": None, "sparse": 800.0, "linear": 300.0},
-}
-# The seed's "maximum sequence length" of each kind of attention (tokens, "~" in the seed).
-SEED_MAX_TOKENS: dict[str, int] = {"standard": 1024, "sparse": 8192, "linear": 65536}
-SEED_CLAIM_OF_ROW = {
-    "softmax": "standard",
-    EXPLICIT_SOFTMAX: "standard",
-    "sparse": "sparse",
-    "longformer": "sparse",
-    "linear": "linear",
-}
-
-
-def seed_claim(attn: str, tokens: int) -> str:
-    """The claim compared with row ``attn`` at ``tokens``, e.g. ``"linear: 60"``; empty where there is none."""
-    claim = SEED_CLAIM_OF_ROW.get(attn)
-    if claim is None or tokens not in SEED_CLAIMS_MS:
-        return ""
-    ms = SEED_CLAIMS_MS[tokens][claim]
-    return f"{claim}: {'OOM' if ms is None else f'{ms:g}'}"
