@@ -18,8 +18,9 @@ from PIL import Image
 from scipy import ndimage
 
 from tests.helpers import load_script
+from visattn.bench.flops import ViTShape, estimate_memory, train_flops
 from visattn.layers import get_attention
-from visattn.train import overview
+from visattn.train import overview, progress
 from visattn.train.attention import resolve_attention
 from visattn.train.build import build_model
 from visattn.train.cli import parse_args
@@ -509,10 +510,14 @@ def test_the_statistics_path_covers_every_option_the_size_the_split_the_count_an
     assert len({path(task, options, CD_HW), *keys}) == len(dataclasses.fields(options)) + 1
 
 
-def test_computing_the_statistics_shows_a_progress_bar_with_its_count_only_when_asked(tmp_path, capsys):
-    load_generated("cluttered-digits", dict(train_size=30, val_size=10, test_size=10), CD_HW, tmp_path / "quiet")
+def test_computing_the_statistics_shows_a_progress_bar_with_its_count_when_asked_and_long(tmp_path, capsys, monkeypatch):
+    sizes = dict(train_size=30, val_size=10, test_size=10)
+    load_generated("cluttered-digits", sizes, CD_HW, tmp_path / "quiet", progress=True)
+    assert capsys.readouterr().err == ""  # shorter than the bar's delay: nothing printed
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    load_generated("cluttered-digits", sizes, CD_HW, tmp_path / "unasked")
     assert capsys.readouterr().err == ""
-    load_generated("cluttered-digits", dict(train_size=30, val_size=10, test_size=10), CD_HW, tmp_path, progress=True)
+    load_generated("cluttered-digits", sizes, CD_HW, tmp_path, progress=True)
     bar = capsys.readouterr().err.rsplit("\r", 1)[-1]
     assert bar.startswith("cluttered-digits train: normalisation statistics: 100%") and "30/30 [" in bar
 
@@ -680,7 +685,9 @@ def test_the_overview_counts_the_images_tokens_flops_and_memory_of_the_quick_sta
     n, c, hidden, grid = 4097, 384, 1536, 4096
     case = overview.block_cases(config, model)[0][1]
     block = 6 * n * c * c + 2 * n * c * c + 4 * n * c * hidden + get_attention("linear").mixing_flops(case)
-    step_flops = 3 * 32 * (2 * grid * (3 * 16 * 16) * c + 12 * block)
+    patch_projection = 2 * grid * (3 * 16 * 16) * c
+    # three forward passes, but no gradient into the image: the patch projection's backward is one product
+    step_flops = 32 * (3 * (patch_projection + 12 * block + 2 * c * 10) - patch_projection)
     cost = overview.step_cost(config, model, torch.device("cpu"))
     assert cost.flops == step_flops
     in_flight = 2 * 8 + 1  # two batches per worker and the step's
@@ -706,12 +713,16 @@ def test_a_loader_holding_more_than_half_the_machine_s_memory_is_warned_of(monke
     ]
 
 
-def test_the_step_memory_estimate_is_just_under_the_peak_the_h200_measured():
-    """docs/results/2026-11-27-h200-check.md: the quick start in bf16 peaked at 22,994 MiB
-    (torch.cuda.max_memory_allocated)."""
-    config, model, _ = quick_start(mixed_precision="bf16")
-    estimate = overview.step_cost(config, model, torch.device("cuda")).memory_bytes / 2**20
-    assert 0.9 * 22_994 < estimate <= 22_994
+@pytest.mark.parametrize("precision, device", [("no", "cpu"), ("bf16", "cuda")])
+def test_the_step_cost_is_the_benchmark_s_estimate(precision, device):
+    config, model, _ = quick_start(mixed_precision=precision)
+    cost = overview.step_cost(config, model, torch.device(device))
+    shape, options = ViTShape.from_model(model), overview.block_cases(config, model)[0][1].options
+    assert cost.flops == 32 * train_flops(shape, (1024, 1024), "linear", options)
+    assert cost.memory_bytes == estimate_memory(
+        shape, (1024, 1024), "linear", options, batch_size=32, training=True, act_bytes=4 if precision == "no" else 2,
+        param_count=sum(p.numel() for p in model.parameters()), device=device,
+    )
 
 
 def test_a_gpu_recipe_on_the_cpu_is_warned_of_with_the_time_a_step_takes_there(monkeypatch):

@@ -6,7 +6,8 @@
     augment.py      timm augmentation policies checked before a run starts
     datasets/       the registry of --dataset names: how each is read, its splits, default size, fetch command
     data.py         the dataset of a config, transforms, seeded augmentation
-    generated/      the generated tasks cluttered-digits and pathfinder, drawn from a seed and cached
+    generated_tasks/  the generated tasks cluttered-digits and pathfinder, each sample drawn from a seed when read
+    progress.py     the progress bar of a preparation before training (main process, once it runs 2 s)
     build.py        accelerator, data, model, optimizer, scheduler, loaders, mixup from a config
     prepare.py      a run's steps before its first update: build, claim the run directory, prepare, resume
     loop.py         one epoch, evaluation, metrics, weights and checkpoints, the run's summary

@@ -28,7 +28,8 @@ from visattn.train.data import (
     DataError, DataSplits, ImageCheck, TransformedDataset, build_transform, check_images, describe_unreadable, load_splits,
     without_images,
 )
-from visattn.train.generated_tasks.store import available_cpus
+from visattn.train.generated_tasks.statistics import available_cpus
+from visattn.train.progress import preparation_bar
 
 
 def launched_without_accelerator() -> bool:
@@ -103,15 +104,16 @@ def compile_model(prepared: nn.Module, backend: str) -> None:
 def load_data(accelerator: Accelerator, config: TrainConfig, download: bool) -> tuple[DataSplits, ImageCheck]:
     """The splits of ``config``, every image file in them checked (:func:`check_images`).
 
-    The main process loads (and downloads) and checks first; the others then read what it left on disk and
-    take its findings, so that every process stops with the same error or leaves out the same files.
+    The main process loads (and downloads) and checks first, with a progress bar for what takes long (a generated
+    dataset's statistics, the image check); the others then read what it left on disk and take its findings, so
+    that every process stops with the same error or leaves out the same files.
     Unreadable files stop the run with one line naming them, or with ``skip_bad_images`` are left out.
     """
     splits, error, check = None, None, ImageCheck()
     if accelerator.is_main_process:
         try:
-            splits = load_splits(config, download)
-            check = check_images(config, splits)
+            splits = load_splits(config, download, progress=True)
+            check = check_images(config, splits, progress=True)
         except DataError as caught:
             error = caught
     accelerator.wait_for_everyone()
@@ -264,16 +266,18 @@ class LoaderSpeed:
         return self.images / self.seconds if self.seconds > 0 else float("nan")
 
 
-def measure_loader(loader: DataLoader, batches: int, device: torch.device) -> LoaderSpeed:
+def measure_loader(loader: DataLoader, batches: int, device: torch.device, progress: bool = False) -> LoaderSpeed:
     """How fast the input pipeline alone delivers: ``batches`` batches of ``loader``'s dataset, drawn in a
     shuffled order by a loader of the same batch size, workers and pinning, each copied to ``device`` as
     training copies it (non-blocking), with no model. The first batch, which waits for the workers to start,
-    is not timed; fewer batches are timed when the split has fewer."""
+    is not timed; fewer batches are timed when the split has fewer. A progress bar counts the batches if
+    ``progress``."""
     probe = DataLoader(
         loader.dataset, batch_size=loader.batch_size, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
         sampler=RandomSampler(loader.dataset, generator=torch.Generator().manual_seed(0)), drop_last=True,
     )
     images = timed = 0
+    bar = preparation_bar(min(batches, len(probe) - 1), "loader alone", "batch", shown=progress)
     batch_iter = iter(probe)
     next(batch_iter)
     started = time.perf_counter()
@@ -282,8 +286,10 @@ def measure_loader(loader: DataLoader, batches: int, device: torch.device) -> Lo
         targets.to(device, non_blocking=True)
         images += len(images_batch)
         timed += 1
+        bar.update()
         if timed == batches:
             break
+    bar.close()
     if device.type != "cpu":
         torch.accelerator.synchronize(device)  # the last copies have landed
     return LoaderSpeed(images=images, batches=timed, seconds=time.perf_counter() - started)

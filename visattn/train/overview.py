@@ -129,27 +129,30 @@ class StepCost:
 
 
 def step_cost(config: TrainConfig, model: nn.Module, device: torch.device) -> StepCost:
-    """The cost of a step of ``config.batch_size`` images, counted as ``visattn.bench`` counts a model's: per block
+    """The cost of a step of ``config.batch_size`` images, by the rules of ``visattn.bench.flops`` (its
+    ``train_flops`` and ``estimate_memory``, which a test holds this to for a model with a patch projection): per block
     the qkv projection, the proj (``2 N C^2``), the MLP (``4 N C C_mlp``) and the token mixing of the type's cost
-    model, the patch projection over the grid; a step is three forward passes (the backward's products are two of
-    the forward's size). Memory keeps ``5 N C + 2 N C_mlp`` activations per block and image plus what the type
-    saves, and one block's live set on top."""
+    model, the patch projection over the grid and the head; a step is three forward passes but for the patch
+    projection (no gradient flows into the image). Memory keeps ``5 N C + 2 N C_mlp`` activations per block and image
+    plus what the type saves, and one block's live set on top. A conv stem is counted as the patch projection."""
     act_bytes = ACTIVATION_BYTES[config.mixed_precision]
     cases = block_cases(config, model, act_bytes, device)
     layout = cases[0][1].layout
-    n, c, rows_cols = layout.num_tokens, model.embed_dim, layout.num_patches
+    n, c = layout.num_tokens, model.embed_dim
     hidden = model.blocks[0].mlp.fc1.out_features
     patch_h, patch_w = model.patch_embed.patch_size
-    forward = 2 * rows_cols * 3 * patch_h * patch_w * c + sum(
+    patch_projection = 2 * layout.num_patches * 3 * patch_h * patch_w * c
+    forward = patch_projection + 2 * c * model.num_classes + sum(
         layer.qkv_flops(case) + 2 * n * c * c + 4 * n * c * hidden + layer.mixing_flops(case) for layer, case in cases
     )
     mixing = [layer.mixing_memory(case) for layer, case in cases]
     saved = sum((5 * n * c + 2 * n * hidden) * act_bytes + memory.train for memory in mixing)
     working = max((2 * n * c + 2 * n * hidden) * act_bytes, 6 * n * c * act_bytes + max(m.infer for m in mixing))
-    image = 3 * config.image_hw[0] * config.image_hw[1] * 4
+    image = 3 * config.image_hw[0] * config.image_hw[1] * 4 + 2 * n * c * act_bytes
     params = sum(p.numel() for p in model.parameters())
     memory = 16 * params + sum(m.shared for m in mixing) + config.batch_size * (image + saved + working)
-    return StepCost(batch=config.batch_size, flops=3 * forward * config.batch_size, memory_bytes=memory)
+    return StepCost(batch=config.batch_size, flops=(3 * forward - patch_projection) * config.batch_size,
+                    memory_bytes=memory)
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,9 @@ def prepare_training(built: BuiltRun, options: RunOptions) -> tuple[Training, to
     if built.val_loader is None:
         accelerator.print(f"{config.dataset} has no validation split: the best epoch is chosen on the test split, "
                           "and the last epoch's test accuracy is reported")
-    loader_speed = measure_loader(built.train_loader, options.measure_loader, accelerator.device) if options.measure_loader else None
+    loader_speed = measure_loader(
+        built.train_loader, options.measure_loader, accelerator.device, progress=accelerator.is_main_process
+    ) if options.measure_loader else None
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         built.model, built.optimizer, built.train_loader, built.eval_loader
     )

@@ -25,10 +25,10 @@ from pathlib import Path
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 from torchvision.datasets import DatasetFolder
-from tqdm import tqdm
 
 from visattn.predict.images import UnreadableImageError, read_image
 from visattn.train.datasets.spec import DataError
+from visattn.train.progress import preparation_bar
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +93,12 @@ def check_image_files(paths: Sequence[str], root: Path, threads: int, progress: 
     signatures = {path: _signature(path) for path in files}
     to_decode = [path for path in files if signatures[path] is None or remembered.get(keys[path]) != signatures[path]]
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        decoded = pool.map(_problem, to_decode)
-        problems = list(tqdm(decoded, total=len(to_decode), desc="image files: checking", unit="file",
-                             disable=not progress or not to_decode))
+        bar = preparation_bar(len(to_decode), "image files: checking", "file", shown=progress)
+        problems = []
+        with bar:
+            for problem in pool.map(_problem, to_decode):
+                problems.append(problem)
+                bar.update()
     unreadable = {path: problem for path, problem in zip(to_decode, problems) if problem is not None}
     for path in files:
         if path in unreadable:

@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
-
 from visattn.train.generated_tasks.common import Task
+from visattn.train.progress import preparation_bar
 
 FORMAT_VERSION = 1
 STATISTICS_PIXELS = 10_000 * 128 * 128
@@ -82,13 +81,13 @@ def draw_histogram(task: Task, options: object, image_hw: tuple[int, int], split
 def count_levels(task: Task, options: object, image_hw: tuple[int, int], split: str, samples: int,
                  workers: int | None = None, progress: bool = False) -> np.ndarray:
     """(256,) pixel counts of the first ``samples`` images of ``split``, drawn in ``workers`` processes (default: one
-    per CPU; one for a single chunk), with a progress bar if ``progress``. The counts do not depend on ``workers``:
-    each sample draws from its own seeded generator."""
+    per CPU; one for a single chunk), with a progress bar if ``progress`` (:func:`visattn.train.progress.preparation_bar`).
+    The counts do not depend on ``workers``: each sample draws from its own seeded generator."""
     step = max(1, CHUNK_PIXELS // (image_hw[0] * image_hw[1]))
     bounds = [(start, min(start + step, samples)) for start in range(0, samples, step)]
     workers = min(workers or available_cpus(), len(bounds))
     counts = np.zeros(LEVELS, dtype=np.int64)
-    bar = tqdm(total=samples, desc=f"{task.name} {split}: normalisation statistics", unit="image", disable=not progress)
+    bar = preparation_bar(samples, f"{task.name} {split}: normalisation statistics", "image", shown=progress)
     with bar:
         if workers <= 1:
             for start, stop in bounds:
