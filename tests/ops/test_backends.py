@@ -126,8 +126,11 @@ def _linear_layer_expected(layer, x, grid, p):
     return layer.proj(torch.cat([mixed[:, :p], mixed[:, p:] + local], dim=1))
 
 
-# the packed path has no q/k norm (its refusal is tested below)
-PROJECTION_PATHS = [(name, norm) for name in BACKENDS["projected_linear"] for norm in (False, True) if (name, norm) != ("packed", True)]
+# the packed and triton paths have no q/k norm (the refusals are tested in test_linear_projected.py)
+PROJECTION_PATHS = [
+    (name, norm) for name in BACKENDS["projected_linear"] for norm in (False, True)
+    if not (norm and name in ("packed", "triton"))
+]
 
 
 @pytest.mark.parametrize("backend,qk_norm", PROJECTION_PATHS, ids=[f"{n}-{'qk_norm' if q else 'plain'}" for n, q in PROJECTION_PATHS])

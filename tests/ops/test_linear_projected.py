@@ -61,9 +61,10 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)
 
 
-# the packed path has no q/k norm (its refusal is tested below)
+# the packed and triton paths have no q/k norm (their refusals are tested below)
 PATHS = [
-    (name, norm) for name in BACKENDS["projected_linear"] for norm in (False, True) if (name, norm) != ("packed", True)
+    (name, norm) for name in BACKENDS["projected_linear"] for norm in (False, True)
+    if not (norm and name in ("packed", "triton"))
 ]
 PATH_IDS = [f"{name}-{'qk_norm' if norm else 'plain'}" for name, norm in PATHS]
 
@@ -163,7 +164,9 @@ def test_refusals_name_the_problem():
         (dict(conv_bias=conv_bias), "conv_bias needs a conv_weight"),
         (dict(chunk_size=0), "chunk_size must be an integer >= 1"),
         (dict(feature_map="softplus"), "softplus"),
-        (dict(backend="blocked"), "backend must be one of fused_qkv, packed, split, got 'blocked'"),
+        (dict(backend="triton", q_norm=nn.LayerNorm(8)), "the 'triton' path reads q and k straight from the projection"),
+        (dict(backend="triton", causal=True), "the 'triton' path is non-causal"),
+        (dict(backend="blocked"), "backend must be one of fused_qkv, packed, split, triton, got 'blocked'"),
     ]
     for kwargs, match in refused:
         with torch.no_grad(), pytest.raises(ValueError, match=match) as error:

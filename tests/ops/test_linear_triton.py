@@ -5,6 +5,7 @@ Without a GPU the kernels run under Triton's interpreter on CPU tensors (tests/c
 marked cuda run the same comparisons compiled on a GPU."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -17,7 +18,9 @@ import torch.nn.functional as F
 from tests.helpers import assert_rms_close
 from visattn.ops.layout import image_to_tokens, merge_heads, split_prefix, split_qkv, tokens_to_image
 from visattn.ops.linear.naive import naive_linear_attn
-from visattn.ops.linear.triton import triton_linear_attn
+from visattn.ops import backends
+from visattn.ops.backends import choose_projected_linear_backend
+from visattn.ops.linear.triton import triton_linear_attn, triton_refusal
 from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
 from visattn.ops.triton_support import HAS_TRITON
 
@@ -230,6 +233,37 @@ def test_bad_inputs_raise():
         triton_linear_attn(qkv, 2, rope=learned)
 
 
+APPLIES = dict(causal=False, has_qk_norm=False, qk_map=False, rope_needs_grad=False, head_dim=64, num_tokens=4097,
+               dtype=torch.bfloat16)
+REFUSED = [
+    (dict(causal=True), "causal attention"),
+    (dict(has_qk_norm=True), "a q/k norm between the projection and the mixing"),
+    (dict(qk_map=True), "a map of q and k between the projection and the mixing (the learned feature map)"),
+    (dict(rope_needs_grad=True), "a rope table that needs a gradient (learned frequencies)"),
+    (dict(head_dim=256), "head_dim 256 > 128"),
+    (dict(num_tokens=2**21), "2097152 tokens > 1048560"),
+    (dict(dtype=torch.float64), "torch.float64 activations"),
+]
+
+
+def test_chosen_on_cuda_where_it_applies_and_the_reason_logged_where_not(caplog, monkeypatch):
+    """The linear layer's op takes the kernels on CUDA when nothing refuses them, never on the CPU unless
+    forced; a refusal is logged once and the other paths' rules apply."""
+    monkeypatch.setattr(backends, "_logged", set())
+    caplog.set_level(logging.DEBUG, logger="visattn.ops.backends")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # devices named only: nothing runs on them
+    assert triton_refusal(**APPLIES) is None
+    assert choose_projected_linear_backend(cuda, False, False, triton_refusal=None) == "triton"
+    assert choose_projected_linear_backend(cpu, False, False, triton_refusal=None) == "packed"
+    for change, reason in REFUSED:
+        refusal = triton_refusal(**{**APPLIES, **change})
+        assert refusal == reason
+        assert choose_projected_linear_backend(cuda, False, False, triton_refusal=refusal) == "split"
+        assert caplog.messages[-1] == f"projected_linear: triton backend passed over: {reason}"
+    choose_projected_linear_backend(cuda, False, False, triton_refusal=REFUSED[0][1])
+    assert len(caplog.messages) == len(REFUSED)  # each reason once
+
+
 def compile_for_sm90() -> None:
     """Compiles each kernel for an H100/H200 (sm_90) without a GPU, with rope, the convolution and bf16 inputs:
     what the interpreter accepts and a GPU compiler refuses (a global that is not constexpr, a dot below 16)
@@ -242,10 +276,10 @@ def compile_for_sm90() -> None:
 
     flags = {"FEATURE_MAP": 0, "ROPE": True, "PRECISION": "tf32", "BLOCK_N": 32, "BLOCK_D": 64}
     constants = {
-        "state_kernel": {**flags, "SEGMENT": 256},
+        "state_kernel": {**flags, "SEGMENT": 1024},
         "output_kernel": {**flags, "KERNEL": 3, "HAS_BIAS": True},
-        "grad_query_kernel": {**flags, "SEGMENT": 256},
-        "grad_key_value_kernel": {**flags, "SEGMENT": 256, "KERNEL": 3, "BLOCK_TAPS": 16},
+        "grad_query_kernel": {**flags, "SEGMENT": 1024},
+        "grad_key_value_kernel": {**flags, "SEGMENT": 1024, "KERNEL": 3, "BLOCK_TAPS": 16},
         "sum_partials_kernel": {"BLOCK_L": 1024},
     }
     activations = ("qkv_ptr", "out_ptr", "grad_out_ptr", "grad_qkv_ptr")

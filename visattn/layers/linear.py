@@ -14,10 +14,12 @@ from visattn.layers.decay import SpatialDecay, check_decay_option
 from visattn.layers.feature_map import (
     LEARNED_BASE_MAP, LEARNED_FEATURE_MAP, LearnedFeatureMap, check_feature_map_option,
 )
+from visattn.ops.backends import choose_projected_linear_backend, planned_backend
 from visattn.ops.layout import merge_heads, split_heads
 from visattn.ops.linear import decayed_linear_attn, linear_attn, projected_linear_attn
 from visattn.ops.linear.decay import TILE_SIZE
 from visattn.ops.linear.locality import add_locality
+from visattn.ops.linear.triton import CUDA_SEGMENT, triton_refusal
 
 
 class LinearAttention(GridAttention):
@@ -163,7 +165,10 @@ class LinearAttention(GridAttention):
         (the feature maps' inputs, their grid copies, the numerators and normalizers).
 
         A learned feature map adds the mapped q and k, two N x C tensors, live in the forward and kept
-        for the backward (the matrices' gradient needs q and k, the op's the mapped ones)."""
+        for the backward (the matrices' gradient needs q and k, the op's the mapped ones).
+
+        Where the op takes its Triton kernels (on CUDA, in each mode as the chooser would: see
+        :meth:`_triton_memory`), their figures replace these."""
         layout, options, act_bytes = case.layout, case.options, case.act_bytes
         n, c, heads, d = layout.num_tokens, case.dim, case.num_heads, case.head_dim
         infer, train = n * c * act_bytes, 3 * n * c * act_bytes
@@ -177,7 +182,41 @@ class LinearAttention(GridAttention):
         if options.get("feature_map") == LEARNED_FEATURE_MAP:
             infer += 2 * n * c * act_bytes
             train += 2 * n * c * act_bytes
-        return MixingMemory(infer=infer, train=train)
+        return cls._triton_memory(case, MixingMemory(infer=infer, train=train))
+
+    @classmethod
+    def _triton_memory(cls, case: CostCase, other_paths: MixingMemory) -> MixingMemory:
+        """``other_paths`` with each mode the op runs on its Triton kernels (on ``case.device``, or forced;
+        without decay, a learned feature map, or in training a rope table with learned frequencies) replaced by
+        theirs: the forward holds the output, the fp32 state [S | z] (4 d (d + 1) bytes a head) and, beyond
+        one segment of tokens, a partial state per segment; the backward keeps q, k, v (the projection)
+        and the state. The locality term inside the kernels adds nothing."""
+        layout, options, act_bytes = case.layout, case.options, case.act_bytes
+        n, c, heads, d = layout.num_tokens, case.dim, case.num_heads, case.head_dim
+        if check_decay_option(options.get("decay"), cls.name) is not None:
+            return other_paths
+        learned, rope = options.get("feature_map") == LEARNED_FEATURE_MAP, options.get("rope")
+
+        def on_triton(training: bool) -> bool:
+            refusal = triton_refusal(
+                causal=False, has_qk_norm=False, qk_map=learned, rope_needs_grad=training and rope == "mixed",
+                head_dim=d, num_tokens=n, dtype=torch.float32 if act_bytes == 4 else torch.bfloat16,
+            )
+
+            def choose() -> str:
+                return choose_projected_linear_backend(
+                    case.device, False, False, rope is not None, learned, triton_refusal=refusal
+                )
+
+            return planned_backend("projected_linear", choose) == "triton"
+
+        state = 4 * heads * d * (d + 1)
+        segments = -(-n // CUDA_SEGMENT)
+        partials = state * segments if segments > 1 else 0
+        return MixingMemory(
+            infer=n * c * act_bytes + state + partials if on_triton(False) else other_paths.infer,
+            train=3 * n * c * act_bytes + state if on_triton(True) else other_paths.train,
+        )
 
 
 def _unless_identity(norm: nn.Module) -> nn.Module | None:

@@ -35,9 +35,10 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     # grid of several tiles it keeps about as much as a d x d state per token and head)
     "decayed_linear": ("rerun", "autograd"),
     # visattn.ops.linear.projected_linear_attn, the linear layer's qkv projection + mixing: fused block by
-    # block (inference), the blocked op on the packed projection (training), or the projection split into
-    # heads, then linear_attn
-    "projected_linear": ("fused_qkv", "packed", "split"),
+    # block (inference), the blocked op on the packed projection (training), the projection split into
+    # heads, then linear_attn, or Triton kernels on the projection with the locality term inside
+    # (visattn.ops.linear.triton; CUDA, or the CPU interpreted)
+    "projected_linear": ("fused_qkv", "packed", "split", "triton"),
     # visattn.ops.axial_attn: the CPU's fused SDPA kernels with a hand-written backward, plain SDPA
     # (autograd through it), plain SDPA recomputed in the backward (activation checkpointing), or Triton
     # kernels on strided views of the qkv projection, copying nothing (visattn.ops.axial.triton; CUDA, or
@@ -100,6 +101,14 @@ def planned_backend(op: str, choose: Callable[[], str]) -> str:
     return _forced.get(op) or choose()
 
 
+def _log_passed_over(op: str, name: str, reason: str) -> None:
+    """Logs at DEBUG, once per (op, path, reason), why a chooser passed over a path it prefers."""
+    key = (op, name, reason)
+    if not torch.compiler.is_compiling() and key not in _logged:
+        _logged.add(key)
+        _log.debug("%s: %s backend passed over: %s", op, name, reason)
+
+
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     """Whether a result computed from ``tensors`` will be differentiated."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -138,14 +147,28 @@ def choose_decayed_linear_backend(single_tile: bool) -> str:
 
 
 def choose_projected_linear_backend(
-    device: torch.device, causal: bool, has_qk_norm: bool, rotated: bool = False, learned_map: bool = False
+    device: torch.device,
+    causal: bool,
+    has_qk_norm: bool,
+    rotated: bool = False,
+    learned_map: bool = False,
+    *,
+    triton_refusal: str | None = "not checked by the caller",
 ) -> str:
-    """The path of :func:`visattn.ops.linear.projected_linear_attn`. Causal, compiled, off the CPU (the fused
-    and packed paths walk the CPU's cache-sized blocks), ``rotated`` (rope, which linear_attn applies from
-    a table of the split heads) or ``learned_map`` (a learned feature map, a per-head matrix applied to the
-    split q and k): split the projection and call linear_attn. Without autograd, fuse the projection with
+    """The path of :func:`visattn.ops.linear.projected_linear_attn`. On CUDA, the Triton kernels, which read
+    q, k, v in place from the projection, write the output token-major and add the locality term inside,
+    unless ``triton_refusal`` says why they cannot run the call (:func:`visattn.ops.linear.triton.triton_refusal`:
+    causal, a q/k norm or map, a rope table that needs a gradient, ...); the reason is logged at DEBUG and
+    the rules below apply. Causal, compiled, off the CPU (the fused and packed paths walk the CPU's
+    cache-sized blocks), ``rotated`` (rope, which linear_attn applies from a table of the split heads) or
+    ``learned_map`` (a learned feature map, a per-head matrix applied to the split q and k): split the
+    projection and call linear_attn. Without autograd, fuse the projection with
     the mixing. With autograd and no q/k norm, run on the packed projection (its gradient comes back in
     one piece); a q/k norm sits between projection and mixing, so then split."""
+    if device.type == "cuda":
+        if triton_refusal is None:
+            return "triton"
+        _log_passed_over("projected_linear", "triton", triton_refusal)
     if causal or rotated or learned_map or not _eager_on_cpu(device):
         return "split"
     if not torch.is_grad_enabled():

@@ -10,7 +10,10 @@ Paths (``backend=``, or ``force_backend("projected_linear", ...)``):
 - ``"packed"``: the projection, then the blocked op on it (:func:`visattn.ops.linear.packed_linear_attn`; no
   q/k norm), whose gradient comes back as one (B, N, 3 C) tensor;
 - ``"split"``: the projection split into heads, the norms and the q/k map, then
-  :func:`visattn.ops.linear_attn` on its own paths; the only path with rope, a q/k map and causal attention.
+  :func:`visattn.ops.linear_attn` on its own paths; the only path with a q/k map and causal attention;
+- ``"triton"``: the projection, then Triton kernels that read q, k, v in place from it and add the locality
+  term inside (:func:`visattn.ops.linear.triton.triton_linear_attn`; CUDA, or the CPU interpreted; no q/k norm
+  or map, a rope table only if it needs no gradient).
 
 Every path returns the heads merged, (B, N, C), with the locality term added in place.
 """
@@ -21,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from visattn.ops.backends import choose_projected_linear_backend, select_backend
+from visattn.ops.backends import choose_projected_linear_backend, needs_autograd, select_backend
 from visattn.ops.checks import check_positive_int, check_qkv_projection
 from visattn.ops.layout import merge_heads, split_qkv
 from visattn.ops.linear.blocked import packed_linear_attn
@@ -29,6 +32,7 @@ from visattn.ops.linear.feature_maps import get_feature_map
 from visattn.ops.linear.functional import linear_attn
 from visattn.ops.linear.fused import fused_qkv_linear_attn
 from visattn.ops.linear.locality import add_locality, check_locality
+from visattn.ops.linear.triton import triton_linear_attn, triton_refusal
 
 _OP = "projected_linear_attn"
 
@@ -75,14 +79,19 @@ def projected_linear_attn(
             (the convolution sees later tokens). conv_bias: (C,) or None.
         q_norm, k_norm: maps of q and k per head (timm's q/k norms), or None.
         qk_map: a map of q and k together after the norms (the linear layer's learned feature map), or None.
-        backend: ``"fused_qkv"``, ``"packed"`` or ``"split"`` (see the module); None: chosen by
+        backend: ``"fused_qkv"``, ``"packed"``, ``"split"`` or ``"triton"`` (see the module); None: chosen by
             :func:`visattn.ops.backends.choose_projected_linear_backend`.
     Returns:
         (B, N, C), heads merged, the output projection's input.
     """
     channels = _check_arguments(x, qkv_weight, qkv_bias, num_heads, feature_map, causal, chunk_size, conv_weight)
     check_locality(conv_weight, conv_bias, channels, grid, x.shape[1], num_prefix_tokens, _OP)
-    name = _choose_path(x.device, backend, causal, rope, q_norm, k_norm, qk_map)
+    name = _choose_path(x, channels // num_heads, backend, causal, rope, q_norm, k_norm, qk_map)
+    if name == "triton":  # the locality term inside the kernels
+        return triton_linear_attn(
+            F.linear(x, qkv_weight, qkv_bias), num_heads, feature_map, eps, conv_weight=conv_weight,
+            conv_bias=conv_bias, grid=grid, num_prefix_tokens=num_prefix_tokens, rope=rope,
+        )
     if name == "fused_qkv":
         out, values = fused_qkv_linear_attn(
             x, qkv_weight, qkv_bias, num_heads, feature_map, eps, q_norm=q_norm, k_norm=k_norm, keep_values=True
@@ -141,7 +150,8 @@ def _check_arguments(
 
 
 def _choose_path(
-    device: torch.device,
+    x: torch.Tensor,
+    head_dim: int,
     backend: str | None,
     causal: bool,
     rope: torch.Tensor | None,
@@ -153,9 +163,18 @@ def _choose_path(
     arguments ask is refused with a one-line ValueError."""
     has_qk_norm = q_norm is not None or k_norm is not None
     rotated, mapped = rope is not None, qk_map is not None
+    device_type = x.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    projection_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+    refusal = triton_refusal(
+        causal=causal, has_qk_norm=has_qk_norm, qk_map=mapped, rope_needs_grad=rotated and needs_autograd(rope),
+        head_dim=head_dim, num_tokens=x.shape[1], dtype=projection_dtype,
+    )
     name = select_backend(
         "projected_linear", backend,
-        lambda: choose_projected_linear_backend(device, causal, has_qk_norm, rotated, learned_map=mapped),
+        lambda: choose_projected_linear_backend(
+            x.device, causal, has_qk_norm, rotated, learned_map=mapped, triton_refusal=refusal
+        ),
     )
     if name != "split":
         _refuse_unsplit(name, causal, rotated, mapped, has_qk_norm)
@@ -163,11 +182,14 @@ def _choose_path(
 
 
 def _refuse_unsplit(name: str, causal: bool, rotated: bool, mapped: bool, has_qk_norm: bool) -> None:
-    """What the ``"fused_qkv"`` and ``"packed"`` paths cannot do."""
+    """What the ``"fused_qkv"``, ``"packed"`` and ``"triton"`` paths cannot do (the triton path's other
+    limits are checked by its op)."""
     if causal:
         raise ValueError(f"{_OP}: the {name!r} path is non-causal; causal=True needs 'split'")
-    if rotated:
-        raise ValueError(f"{_OP}: the {name!r} path does not rotate; rope needs 'split'")
+    if name == "triton" and (mapped or has_qk_norm):
+        raise ValueError(f"{_OP}: the 'triton' path reads q and k straight from the projection: no q/k norm or map")
+    if rotated and name != "triton":
+        raise ValueError(f"{_OP}: the {name!r} path does not rotate; rope needs 'split' or 'triton'")
     if mapped:
         raise ValueError(
             f"{_OP}: the {name!r} path takes no qk_map (a learned feature map: feature_map='learned' needs 'split')"

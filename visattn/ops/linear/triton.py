@@ -10,7 +10,7 @@ output gradient (its taps' halo from cache) and writes dk and dv. Autograd keeps
 fp32 state [S | z] (B, heads, d, d + 1) and recomputes the feature maps.
 
 Kernels (:mod:`visattn.ops.linear.triton_kernels`) and their launch grids, image x head first, then
-the tokens: segments of SEGMENT tokens (256; 128 interpreted), each walked in blocks of BLOCK_N, or blocks:
+the tokens: segments of SEGMENT tokens (1,024; 128 interpreted), each walked in blocks of BLOCK_N, or blocks:
     state_kernel           (B heads, segments)      partial [S | z] per segment
     sum_partials_kernel    (B heads, L / 1024)      the segments added in order (skipped for one segment)
     output_kernel          (B heads, N / BLOCK_N)   the output, locality term included
@@ -57,8 +57,11 @@ class LaunchConfig:
     num_stages: int
 
 
-# Tokens per partial sum: interpreted, small enough that the tests' shapes span several segments of two blocks.
-SEGMENT = 128 if INTERPRETED else 256
+# Tokens per partial sum. A partial state is 4 d (d + 1) bytes a head, 16 bytes a token at 1,024 tokens and d = 64
+# (an eighth of the bf16 output); 65,536 tokens still give 64 programs a head. Interpreted, small enough that the
+# tests' shapes span several segments of two blocks.
+CUDA_SEGMENT = 1024
+SEGMENT = 128 if INTERPRETED else CUDA_SEGMENT
 INTERPRETED_CONFIG = LaunchConfig(64, 4, 1)
 # Autotuning candidates on a GPU per kernel (block sizes dividing SEGMENT), for heads up to 64 wide: compiled for
 # sm_90 (ptxas -v, bf16 inputs, TF32 products) they spill no registers, or a few hundred bytes in the backward with
@@ -327,6 +330,25 @@ def triton_linear_attn(
         qkv, num_heads, feature_map, eps, conv_weight, conv_bias, num_prefix_tokens, grid_h, grid_w, rope
     )
     return out
+
+
+def triton_refusal(
+    *, causal: bool, has_qk_norm: bool, qk_map: bool, rope_needs_grad: bool, head_dim: int, num_tokens: int,
+    dtype: torch.dtype,
+) -> str | None:
+    """Why the linear layer's op cannot run on :func:`triton_linear_attn`, or None when it can (the device
+    aside: :func:`visattn.ops.backends.choose_projected_linear_backend` takes this path on CUDA only)."""
+    refusals = (
+        (not HAS_TRITON, "the triton package is missing"),
+        (causal, "causal attention"),
+        (has_qk_norm, "a q/k norm between the projection and the mixing"),
+        (qk_map, "a map of q and k between the projection and the mixing (the learned feature map)"),
+        (rope_needs_grad, "a rope table that needs a gradient (learned frequencies)"),
+        (head_dim > MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM}"),
+        (num_tokens > MAX_TOKENS, f"{num_tokens} tokens > {MAX_TOKENS}"),
+        (dtype not in DTYPES, f"{dtype} activations"),
+    )
+    return next((reason for refused, reason in refusals if refused), None)
 
 
 def _check_arguments(qkv, num_heads, feature_map, conv_weight, conv_bias, grid, num_prefix_tokens, rope) -> None:
