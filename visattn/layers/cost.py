@@ -26,7 +26,7 @@ from visattn.ops.backends import choose_local_backend
 from visattn.ops.checks import check_positive_int
 from visattn.ops.local import AxisTiling
 from visattn.ops.local.engine import dense_is_cheaper, is_self_only
-from visattn.ops.local.flex import sequence_length
+from visattn.ops.local.flex import flex_slots, full_block_tile
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,8 @@ def flex_memory(case: CostCase, slots: int) -> MixingMemory:
     ``slots`` tokens in tile order: q, k and v copied into that order, the kernel's output and its fp32
     log-sum-exp per slot and head, all kept for the backward. No gathered tiles and no mask (the block
     mask's tables, a few kB per layout, are left out); the qkv projection is not kept, since the
-    permutation's backward needs only its indices."""
+    permutation's backward needs only its indices. Where the prefix rows run apart (tile-aligned windows)
+    the count is the same: their queries are copied, and their SDPA keeps its output and log-sum-exp."""
     kept = 4 * slots * case.dim * case.act_bytes + 4 * case.num_heads * slots
     return MixingMemory(infer=kept, train=kept)
 
@@ -139,13 +140,14 @@ def local_memory(
     too, an approximation: it keeps an N x N additive mask instead of the gathered tiles and their mask."""
     self_only = is_self_only(rows, cols, num_prefix_tokens, prefix_visible)
     dense = dense_is_cheaper(rows, cols, num_prefix_tokens, prefix_visible)
+    full_blocks = full_block_tile(rows, cols) is not None
 
     def on_path(needs_grad: bool) -> MixingMemory:
-        path = choose_local_backend(case.device, needs_grad, 0.0, self_only, dense)
+        path = choose_local_backend(case.device, needs_grad, 0.0, self_only, dense, full_blocks)
         if path == "triton":
             return triton_memory(case, num_prefix_tokens + case.layout.num_patches)
         if path == "flex":
-            return flex_memory(case, sequence_length(case.layout.grid, num_prefix_tokens))
+            return flex_memory(case, flex_slots(rows, cols, num_prefix_tokens, prefix_visible))
         num_visible = num_prefix_tokens if prefix_visible else 0
         return tiled_memory(case, rows, cols, num_visible)
 

@@ -205,7 +205,12 @@ def choose_axial_backend(
 
 
 def choose_local_backend(
-    device: torch.device, needs_grad: bool, dropout_p: float, self_only: bool, dense_cheaper: bool
+    device: torch.device,
+    needs_grad: bool,
+    dropout_p: float,
+    self_only: bool,
+    dense_cheaper: bool,
+    full_blocks: bool = False,
 ) -> str:
     """A window of one key: gathered (exact there). Where the windows cover enough of the grid that
     attention over all tokens costs no more than the tiles (short sequences: a 7 x 7 window on 14 x 14
@@ -219,13 +224,15 @@ def choose_local_backend(
     whole computation at once, chunk by chunk; elsewhere gathered: one batched SDPA over all tiles, the
     shape GPU kernels and the compiler want. (FlexAttention ships with every torch this package accepts,
     so it needs no availability check.) Provisional on CUDA until the GPU benchmark has measured triton
-    against flex and dense."""
+    against flex and dense. Windows that are whole FlexAttention blocks (``full_blocks``, the tile-aligned
+    options: :func:`visattn.ops.local.flex.full_block_tile`) take flex on CUDA without dropout even where
+    Triton runs: every block it keeps is full, computed without a mask."""
     if self_only:
         return "gathered"
     if dense_cheaper:
         return "dense"
     if device.type == "cuda" and not dropout_p:
-        return "triton" if triton_runs_on(device) else "flex"
+        return "triton" if triton_runs_on(device) and not full_blocks else "flex"
     if needs_grad or dropout_p or not _eager_on_cpu(device):
         return "gathered"
     return "chunked"

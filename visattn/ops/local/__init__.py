@@ -12,26 +12,38 @@
 from visattn.ops.local.engine import LOCAL_PATHS, tiled_local_attn
 from visattn.ops.local.naive import naive_masked_attn, separable_grid_mask, with_prefix_tokens
 from visattn.ops.local.plans import (
+    ALIGNED_TILE,
     AxisPlan,
     AxisTiling,
     WindowRule,
     blocked_axis,
     blocked_tiling,
+    check_aligned_tile,
+    check_tile_alignment,
     neighborhood_axis,
     neighborhood_tiling,
+    tile_neighborhood_axis,
+    tile_neighborhood_tiling,
+    tiles_holding,
 )
 
 __all__ = [
+    "ALIGNED_TILE",
     "LOCAL_PATHS",
     "AxisPlan",
     "AxisTiling",
     "WindowRule",
     "blocked_axis",
     "blocked_tiling",
+    "check_aligned_tile",
+    "check_tile_alignment",
     "naive_masked_attn",
     "neighborhood_axis",
     "neighborhood_tiling",
     "separable_grid_mask",
+    "tile_neighborhood_axis",
+    "tile_neighborhood_tiling",
     "tiled_local_attn",
+    "tiles_holding",
     "with_prefix_tokens",
 ]

@@ -34,7 +34,7 @@ from visattn.ops.backends import choose_local_backend, needs_autograd, select_ba
 from visattn.ops.cache import cache_per_inference_mode
 from visattn.ops.layout import merge_heads, split_heads, token_major
 from visattn.ops.local.chunked import Sequences, attend_in_chunks
-from visattn.ops.local.flex import flex_local_attn
+from visattn.ops.local.flex import flex_local_attn, full_block_tile
 from visattn.ops.local.naive import separable_grid_mask, with_prefix_tokens
 from visattn.ops.local.plans import AxisPlan, AxisTiling
 from visattn.ops.local.triton import triton_local_attn
@@ -241,6 +241,7 @@ def tiled_local_attn(
             dropout_p,
             is_self_only(rows, cols, p, prefix_visible),
             dense_is_cheaper(rows, cols, p, prefix_visible),
+            full_blocks=full_block_tile(rows, cols) is not None,
         ),
     )
     return LOCAL_PATHS[name](q, k, v, rows, cols, p, prefix_visible, dropout_p, scale)

@@ -39,6 +39,14 @@ The block tables are built from the per-axis windows alone: the mask is a produc
 column window, so a tile pair is kept when both of its axis pairs are, and full when both are full.
 That costs (blocks)^2, not N^2, so it also traces cheaply inside a user's compiled model (where, as
 for the engine's other layouts, it is built in the graph instead of cached).
+
+The exact windows above leave every kept block partial (a 7 x 7 window covers no 8 x 16 tile whole), and
+FlexAttention evaluates the mask on each score of a partial block. Windows that are runs of whole tiles
+(the ``tile_aligned`` options of neighborhood and sparse, :func:`full_block_tile`) are laid out in their
+own tile, whole blocks of 128 slots each, so that every block pair is empty or full; their prefix queries,
+which see every token, run apart as one SDPA over the same permuted keys (the prefix tokens after the
+grid, unpadded), since their padded block would be the one partial block left. Where a grid side is not a
+multiple of the tile, the blocks that hold the ragged last tiles are partial.
 """
 from __future__ import annotations
 
@@ -46,12 +54,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from visattn.ops.cache import cache_per_inference_mode
 from visattn.ops.layout import merge_heads, split_heads
-from visattn.ops.local.plans import AxisPlan
+from visattn.ops.local.plans import AxisPlan, AxisTiling
 
 BLOCK = 128  # FlexAttention's default block of queries and of keys
 TILE_WIDTH = 16  # a block's tile is TILE_WIDTH wide and BLOCK // TILE_WIDTH tall (narrower grids: narrower tiles)
@@ -66,22 +75,47 @@ def tile_shape(width: int) -> tuple[int, int]:
     return BLOCK // tw, tw
 
 
-def sequence_length(grid: tuple[int, int], num_prefix_tokens: int) -> int:
-    """S, the slots of the tokens in tile order: the prefix tokens padded to whole blocks, then the grid
-    padded to whole tiles of :func:`tile_shape`."""
-    (h, w), p = grid, num_prefix_tokens
-    th, tw = tile_shape(w)
-    return math.ceil(p / BLOCK) * BLOCK + math.ceil(h / th) * th * math.ceil(w / tw) * tw
+def full_block_tile(rows: AxisPlan | AxisTiling, cols: AxisPlan | AxisTiling) -> tuple[int, int] | None:
+    """The windows' own tile (th, tw) where every window is a run of whole tiles and a tile is a whole number
+    of blocks (the tile-aligned options): in that tile order every kept block pair is full, but those a
+    ragged last tile pads. Else None. Plans or their tilings (the cost model has only those)."""
+    if rows.whole_tiles and cols.whole_tiles and rows.tile * cols.tile % BLOCK == 0:
+        return rows.tile, cols.tile
+    return None
+
+
+def _prefix_apart(aligned: bool, num_prefix_tokens: int, prefix_visible: bool) -> bool:
+    """Whether the prefix queries run apart from FlexAttention, as one SDPA over all the keys: where the
+    windows are whole blocks and the patches do not see the prefix keys, their block (padded, so partial)
+    would be the one partial block left."""
+    return aligned and num_prefix_tokens > 0 and not prefix_visible
+
+
+def flex_slots(
+    rows: AxisPlan | AxisTiling, cols: AxisPlan | AxisTiling, num_prefix_tokens: int, prefix_visible: bool
+) -> int:
+    """S, the slots of the tokens in tile order: the prefix tokens padded to whole blocks (or, where they run
+    apart, unpadded after the grid), then the grid padded to whole tiles."""
+    aligned = full_block_tile(rows, cols)
+    th, tw = aligned or tile_shape(cols.length)
+    grid_slots = math.ceil(rows.length / th) * th * math.ceil(cols.length / tw) * tw
+    if _prefix_apart(aligned is not None, num_prefix_tokens, prefix_visible):
+        return grid_slots + num_prefix_tokens
+    return math.ceil(num_prefix_tokens / BLOCK) * BLOCK + grid_slots
 
 
 @dataclass(frozen=True, eq=False)
 class FlexLayout:
     """The tokens in tile order and the block mask over them. Slot s of the permuted sequence reads
-    token ``slot_token[s]``; token t's output is slot ``token_slot[t]``. Cached and compared by identity."""
+    token ``slot_token[s]``; token t's output is slot ``token_slot[t]``. FlexAttention runs over the first
+    ``attended`` slots; where the prefix queries run apart (the slots after those), they attend to every
+    slot, but the padding ones where ``prefix_keys`` says so. Cached and compared by identity."""
 
     block_mask: BlockMask
     slot_token: torch.Tensor  # (S,) long, S = prefix slots + padded grid
     token_slot: torch.Tensor  # (N,) long
+    attended: int
+    prefix_keys: torch.Tensor | None = None  # (1, 1, 1, S) bool: the real slots, where the grid is padded
 
 
 def _axis_blocks(plan: AxisPlan, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,31 +139,84 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return as_int.sum(-1, dtype=torch.int32), order.to(torch.int32)
 
 
+def _tile_blocks(rows: AxisPlan, cols: AxisPlan, th: int, tw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The patch blocks' tables from the two axes: (blocks, blocks) kept and full, and (blocks,) whether a
+    block's slots are all real cells. A tile of m blocks (m row strips of it) gives each of its blocks
+    the tile's entries: exact where the tiles are whole, kept partial where a ragged tile pads them."""
+    row_any, row_all, row_real = _axis_blocks(rows, th)
+    col_any, col_all, col_real = _axis_blocks(cols, tw)
+    strips = th * tw // BLOCK
+
+    def per_block(table: torch.Tensor) -> torch.Tensor:  # (tiles, tiles) -> (tiles * m, tiles * m)
+        return table.repeat_interleave(strips, 0).repeat_interleave(strips, 1)
+
+    tile_any = rearrange(row_any[:, None, :, None] & col_any[None, :, None, :], "qi qj ki kj -> (qi qj) (ki kj)")
+    tile_all = rearrange(row_all[:, None, :, None] & col_all[None, :, None, :], "qi qj ki kj -> (qi qj) (ki kj)")
+    tile_real = (row_real[:, None] & col_real[None, :]).flatten()
+    return per_block(tile_any), per_block(tile_all), tile_real.repeat_interleave(strips)
+
+
 @cache_per_inference_mode(maxsize=32)
 def flex_layout(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_visible: bool) -> FlexLayout:
     """The tile-order permutation and the block mask of the windows ``rows x cols`` after P prefix
     tokens (seen by the patches if ``prefix_visible``); the prefix queries see every token. Built once
-    per (plans, P, prefix_visible), i.e. per grid, windows and device, and per inference mode."""
+    per (plans, P, prefix_visible), i.e. per grid, windows and device, and per inference mode.
+
+    The tile is :func:`full_block_tile`'s where the windows are whole blocks, else :func:`tile_shape`'s.
+    In the whole-block layout every kept block is full on a grid of whole tiles (the prefix rows apart, or
+    the prefix tokens whole blocks), so the compiled kernel evaluates ``mask_mod`` nowhere; it stays in
+    the mask for the partial blocks of ragged tiles and for FlexAttention's eager form (the CPU's), which
+    evaluates it on every score and reads no block table."""
     device = rows.window_lo.device
     H, W, p = rows.length, cols.length, num_prefix_tokens
-    th, tw = tile_shape(W)
+    aligned = full_block_tile(rows, cols)
+    th, tw = aligned or tile_shape(W)
     nth, ntw = math.ceil(H / th), math.ceil(W / tw)
-    prefix_slots = math.ceil(p / BLOCK) * BLOCK
-    slot_count = sequence_length((H, W), p)
+    apart = _prefix_apart(aligned is not None, p, prefix_visible)
+    prefix_slots = 0 if apart else math.ceil(p / BLOCK) * BLOCK
+    grid_slots = nth * th * ntw * tw
 
     # the patch slots: tile (i, j) in raster order of tiles, its cells in raster order inside it
     y = rearrange(torch.arange(nth * th, device=device), "(ti r) -> ti 1 r 1", r=th).expand(nth, ntw, th, tw).flatten()
     x = rearrange(torch.arange(ntw * tw, device=device), "(tj c) -> 1 tj 1 c", c=tw).expand(nth, ntw, th, tw).flatten()
     real = (y < H) & (x < W)
     yc, xc = y.clamp_max(H - 1), x.clamp_max(W - 1)
-    prefix_pad = torch.zeros(prefix_slots - p, dtype=torch.long, device=device)  # repeats token 0, never a key
-    slot_token = torch.cat([torch.arange(p, device=device), prefix_pad, p + yc * W + xc])
     ty, tx = torch.arange(H, device=device)[:, None], torch.arange(W, device=device)[None, :]
-    patch_slot = (((ty // th) * ntw + tx // tw) * th + ty % th) * tw + tx % tw
-    token_slot = torch.cat([torch.arange(p, device=device), prefix_slots + patch_slot.flatten()])
+    patch_slot = ((((ty // th) * ntw + tx // tw) * th + ty % th) * tw + tx % tw).flatten()
+    prefix = torch.arange(p, device=device)
+    if apart:  # the grid's slots, then the prefix tokens: keys of the prefix rows only
+        slot_token = torch.cat([p + yc * W + xc, prefix])
+        token_slot = torch.cat([grid_slots + prefix, patch_slot])
+    else:  # the prefix tokens padded to whole blocks (repeating token 0, never a key), then the grid
+        slot_token = torch.cat([prefix, prefix.new_zeros(prefix_slots - p), p + yc * W + xc])
+        token_slot = torch.cat([prefix, prefix_slots + patch_slot])
 
-    # what mask_mod reads per slot: a key's cell (-1: a prefix or padding slot) and a query's window
-    none = torch.full((prefix_slots,), -1, dtype=torch.long, device=device)
+    # the block tables: patch blocks from the two axes; prefix blocks are full where all their slots are real
+    tile_any, tile_all, tile_real = _tile_blocks(rows, cols, th, tw)
+    blocks = tile_real.shape[0]
+    prefix_blocks = prefix_slots // BLOCK
+    prefix_real = torch.arange(prefix_blocks, device=device) < p // BLOCK  # a block of 128 prefix tokens
+    prefix_any = torch.ones(prefix_blocks, prefix_blocks + blocks, dtype=torch.bool, device=device)
+    prefix_all = torch.cat([prefix_real, tile_real]).expand(prefix_blocks, -1)
+    patch_any = torch.cat([torch.full((blocks, prefix_blocks), prefix_visible, device=device), tile_any], dim=1)
+    patch_all = torch.cat([prefix_real.expand(blocks, -1) & prefix_visible, tile_all], dim=1)
+    kept, full = torch.cat([prefix_any, patch_any]), torch.cat([prefix_all, patch_all])
+    attended = prefix_slots + grid_slots
+    mask_mod = _window_mask(rows, cols, p, prefix_visible, prefix_slots, y, x, real)
+    block_mask = BlockMask.from_kv_blocks(
+        *_ordered(kept & ~full), *_ordered(full), BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(attended, attended)
+    )
+    prefix_keys = torch.cat([real, prefix.new_ones(p, dtype=torch.bool)])[None, None, None] if apart and H * W < grid_slots else None
+    return FlexLayout(block_mask, slot_token, token_slot, attended, prefix_keys)
+
+
+def _window_mask(rows, cols, num_prefix_tokens, prefix_visible, prefix_slots, y, x, real):
+    """FlexAttention's ``mask_mod`` over the attended slots (the prefix slots, then the grid's cells ``y``,
+    ``x``, real where ``real``): what it reads per slot is a key's cell (-1: a prefix or padding slot) and
+    a query's window."""
+    p, H, W = num_prefix_tokens, rows.length, cols.length
+    yc, xc = y.clamp_max(H - 1), x.clamp_max(W - 1)
+    none = torch.full((prefix_slots,), -1, dtype=torch.long, device=y.device)
     key_y = torch.cat([none, torch.where(real, y, -1)])
     key_x = torch.cat([none, torch.where(real, x, -1)])
     row_lo, row_hi = (torch.cat([none, bound[yc]]) for bound in (rows.window_lo, rows.window_hi))
@@ -142,24 +229,7 @@ def flex_layout(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_v
         patch_sees = in_window | prefix_key if prefix_visible else in_window
         return torch.where(q_idx < prefix_slots, prefix_key | (ky >= 0), patch_sees)
 
-    # the block tables: patch blocks from the two axes; prefix blocks are full where all their slots are real
-    row_any, row_all, row_real = _axis_blocks(rows, th)
-    col_any, col_all, col_real = _axis_blocks(cols, tw)
-    tiles = nth * ntw
-    tile_any = rearrange(row_any[:, None, :, None] & col_any[None, :, None, :], "qi qj ki kj -> (qi qj) (ki kj)")
-    tile_all = rearrange(row_all[:, None, :, None] & col_all[None, :, None, :], "qi qj ki kj -> (qi qj) (ki kj)")
-    tile_real = (row_real[:, None] & col_real[None, :]).flatten()
-    prefix_blocks = prefix_slots // BLOCK
-    prefix_real = torch.arange(prefix_blocks, device=device) < p // BLOCK  # a block of 128 prefix tokens
-    prefix_any = torch.ones(prefix_blocks, prefix_blocks + tiles, dtype=torch.bool, device=device)
-    prefix_all = torch.cat([prefix_real, tile_real]).expand(prefix_blocks, -1)
-    patch_any = torch.cat([torch.full((tiles, prefix_blocks), prefix_visible, device=device), tile_any], dim=1)
-    patch_all = torch.cat([prefix_real.expand(tiles, -1) & prefix_visible, tile_all], dim=1)
-    kept, full = torch.cat([prefix_any, patch_any]), torch.cat([prefix_all, patch_all])
-    block_mask = BlockMask.from_kv_blocks(
-        *_ordered(kept & ~full), *_ordered(full), BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(slot_count, slot_count)
-    )
-    return FlexLayout(block_mask, slot_token, token_slot)
+    return mask_mod
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, scale: float | None) -> torch.Tensor:
@@ -194,10 +264,19 @@ def flex_local_attn(
         (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor.
     """
     B, heads, N, _ = q.shape
-    layout = flex_layout(rows, cols, num_prefix_tokens, prefix_visible)
+    p = num_prefix_tokens
+    layout = flex_layout(rows, cols, p, prefix_visible)
+    attended = layout.attended
 
-    def tile_order(t: torch.Tensor) -> torch.Tensor:  # (B, heads, N, d) -> (B, heads, S, d)
-        return split_heads(merge_heads(t).index_select(1, layout.slot_token), heads)
+    def tile_order(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # (B, heads, N, d) -> (B, heads, S, d)
+        return split_heads(merge_heads(t).index_select(1, slots), heads)
 
-    out = _attend(tile_order(q), tile_order(k), tile_order(v), layout.block_mask, scale)  # (B, heads, S, d_v)
+    keys, values = tile_order(k, layout.slot_token), tile_order(v, layout.slot_token)
+    queries = tile_order(q, layout.slot_token[:attended])
+    out = _attend(queries, keys[:, :, :attended], values[:, :, :attended], layout.block_mask, scale)
+    if attended < layout.slot_token.shape[0]:  # the prefix rows apart: a copy of their queries, not a view of q's
+        prefix = F.scaled_dot_product_attention(
+            q[:, :, :p].contiguous(), keys, values, attn_mask=layout.prefix_keys, scale=scale
+        )  # (B, heads, P, d_v)
+        out = torch.cat([out, prefix], dim=2)
     return out.transpose(1, 2).index_select(1, layout.token_slot).transpose(1, 2)

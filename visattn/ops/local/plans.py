@@ -12,11 +12,18 @@ import torch
 from visattn.ops.cache import cache_per_inference_mode
 
 
+# The tile of the tile-aligned windows by default: FlexAttention's block of 128 tokens as the CUDA path lays
+# it out (visattn.ops.local.flex: 8 x 16 cells where the grid is at least 16 wide).
+ALIGNED_TILE = (8, 16)
+
+
 class WindowRule(NamedTuple):
     """The windows of one axis as a formula, for kernels that compute them from the query's position
     instead of reading ``window_lo`` and ``window_hi``: ``"neighborhood"``: query i sees ``[s, s + size)``
     with ``s = clamp(i - size // 2, 0, length - size)`` (``size`` clamped to the axis); ``"blocked"``: the
-    block ``[i // size * size, +size)`` grown by ``halo`` on each side, cut at the axis ends."""
+    block ``[i // size * size, +size)`` grown by ``halo`` on each side, cut at the axis ends;
+    ``"tile_neighborhood"``: the tile ``j = i // size`` sees the ``m = min(2 r + 1, n)`` tiles from
+    ``clamp(j - r, 0, n - m)`` on, ``r = halo // size`` and ``n`` the axis's tiles, cut at the axis end."""
 
     kind: str
     size: int
@@ -46,6 +53,11 @@ class AxisPlan:
     def num_tiles(self) -> int:
         return self.region_start.shape[0]
 
+    @property
+    def whole_tiles(self) -> bool:
+        """Every window is a run of whole tiles (the axis's last tile may be ragged)."""
+        return windows_are_whole_tiles(self.rule, self.length, self.num_tiles)
+
     def key_index(self) -> torch.Tensor:
         """(num_tiles, region): the key position of each region slot."""
         return self.region_start[:, None] + torch.arange(self.region, device=self.region_start.device)
@@ -74,6 +86,7 @@ class AxisTiling(NamedTuple):
     region: int
     keys_seen: int
     length: int
+    whole_tiles: bool = False  # every window is a run of whole tiles, as :attr:`AxisPlan.whole_tiles`
 
     @property
     def self_only(self) -> bool:
@@ -81,10 +94,46 @@ class AxisTiling(NamedTuple):
         return self.keys_seen == self.length
 
 
+def windows_are_whole_tiles(rule: WindowRule, length: int, num_tiles: int) -> bool:
+    """Whether the windows of ``rule`` on an axis of ``length`` cells in ``num_tiles`` tiles are runs of whole
+    tiles: the tile-aligned windows, blocks whose halo is whole blocks or that fill the axis, and
+    neighbourhoods as wide as the axis."""
+    if rule.kind == "neighborhood":
+        return rule.size == length
+    if rule.kind == "blocked":
+        return num_tiles == 1 or rule.halo % rule.size == 0
+    return True
+
+
+def check_aligned_tile(aligned_tile: int | tuple[int, int] | list[int], op: str) -> tuple[int, int]:
+    """(rows, cols) of the ``aligned_tile`` option: two integers >= 1, or one for a square tile."""
+    shape = (aligned_tile, aligned_tile) if isinstance(aligned_tile, int) else aligned_tile
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2
+            and all(isinstance(side, int) and not isinstance(side, bool) and side >= 1 for side in shape)):
+        raise ValueError(f"{op}: aligned_tile must be (rows, cols), two integers >= 1 (or one), got {aligned_tile!r}")
+    return int(shape[0]), int(shape[1])
+
+
+def check_tile_alignment(
+    tile_aligned: bool, aligned_tile: int | tuple[int, int] | list[int], op: str
+) -> tuple[int, int] | None:
+    """The tile (rows, cols) the windows are aligned to, None for the exact windows; ValueError naming a bad
+    ``tile_aligned`` (True or False) or ``aligned_tile`` (:func:`check_aligned_tile`)."""
+    if not isinstance(tile_aligned, bool):
+        raise ValueError(f"{op}: tile_aligned must be True or False, got {tile_aligned!r}")
+    shape = check_aligned_tile(aligned_tile, op)
+    return shape if tile_aligned else None
+
+
+def tiles_holding(cells: int, tile: int) -> int:
+    """The whole tiles of ``tile`` cells that hold ``cells`` cells: a halo or half a window rounded out."""
+    return -(-cells // tile)
+
+
 def neighborhood_tiling(length: int, kernel_size: int, tile_size: int) -> AxisTiling:
     """The tiling of :func:`neighborhood_axis`: every query sees ``min(kernel_size, length)`` keys."""
     k, tile = min(kernel_size, length), min(tile_size, length)
-    return AxisTiling(tile, math.ceil(length / tile), min(tile + k - 1, length), length * k, length)
+    return AxisTiling(tile, math.ceil(length / tile), min(tile + k - 1, length), length * k, length, k == length)
 
 
 def blocked_tiling(length: int, block_size: int, halo: int) -> AxisTiling:
@@ -93,7 +142,21 @@ def blocked_tiling(length: int, block_size: int, halo: int) -> AxisTiling:
     block = min(block_size, length)
     starts = range(0, length, block)
     seen = sum((min(s + block, length) - s) * (min(s + block + halo, length) - max(s - halo, 0)) for s in starts)
-    return AxisTiling(block, len(starts), min(block + 2 * halo, length), seen, length)
+    whole_tiles = len(starts) == 1 or halo % block == 0
+    return AxisTiling(block, len(starts), min(block + 2 * halo, length), seen, length, whole_tiles)
+
+
+def tile_neighborhood_tiling(length: int, tile_size: int, reach: int) -> AxisTiling:
+    """The tiling of :func:`tile_neighborhood_axis`: each tile's queries see ``min(2 reach + 1, n)`` whole
+    tiles of the axis's ``n``, the last one ragged where ``tile_size`` does not divide ``length``."""
+    tile = min(tile_size, length)
+    num_tiles = math.ceil(length / tile)
+    span = min(2 * reach + 1, num_tiles)
+    seen = 0
+    for j in range(num_tiles):
+        first = min(max(j - reach, 0), num_tiles - span) * tile
+        seen += (min((j + 1) * tile, length) - j * tile) * (min(first + span * tile, length) - first)
+    return AxisTiling(tile, num_tiles, min(span * tile, length), seen, length, whole_tiles=True)
 
 
 @cache_per_inference_mode(maxsize=64)
@@ -121,3 +184,20 @@ def blocked_axis(length: int, block_size: int, halo: int, device: torch.device) 
     start = (torch.arange(num_tiles, device=device) * block - halo).clamp(0, length - region)
     self_only = block == 1 and (halo == 0 or length == 1)
     return AxisPlan(length, block, region, start, lo, hi, self_only, rule=WindowRule("blocked", block, halo))
+
+
+@cache_per_inference_mode(maxsize=64)
+def tile_neighborhood_axis(length: int, tile_size: int, reach: int, device: torch.device) -> AxisPlan:
+    """Neighbourhoods strided by a tile (GNA's strided neighbourhood, stride = the tile): the queries of tile
+    j share one window, the ``2 reach + 1`` whole tiles centred on j, shifted inward at the borders so that
+    it stays that many tiles (all of them on an axis with fewer), as the exact neighbourhood stays k cells.
+    The last tile is ragged where ``tile_size`` does not divide ``length``."""
+    tile, num_tiles, region, *_ = tile_neighborhood_tiling(length, tile_size, reach)
+    span = min(2 * reach + 1, num_tiles)
+    first = (torch.arange(num_tiles, device=device) - reach).clamp(0, num_tiles - span) * tile  # (num_tiles,)
+    lo = first.repeat_interleave(tile)
+    hi = (lo + span * tile).clamp_max(length)
+    start = first.clamp_max(length - region)
+    self_only = tile == 1 and span == 1
+    rule = WindowRule("tile_neighborhood", tile, reach * tile)
+    return AxisPlan(length, tile, region, start, lo, hi, self_only, rule)
