@@ -174,3 +174,21 @@ def test_axial_triton_memory_is_what_autograd_keeps(grid, p):
         saved = _saved_bytes(lambda t: packed_axial_attn(t, heads, grid, p), qkv)
     output = batch * n * heads * d * 4
     assert saved == batch * triton_train_memory(CostCase(TokenLayout(grid, p), heads, d, act_bytes=4)) + output
+
+
+@pytest.mark.parametrize("name", ["neighborhood", "sparse"])
+def test_tile_aligned_windows_count_their_tiles(name, monkeypatch):
+    """40 x 80 patches, one class token, 6 heads of 64, the default 8 x 16 tiles (5 x 5 of them) and windows
+    of 3 tiles per axis: the tile-aligned neighbourhood's stay 3 tiles at the borders (shifted inward), the
+    sparse halo's are cut there (2 tiles). FLOPs: 4 C per (query, key) pair, the class token's N pairs
+    included. Memory on CUDA: FlexAttention's tensors over the grid's 3,200 slots and the class token's row
+    apart (:func:`visattn.layers.cost.flex_memory`), even where Triton runs."""
+    layout, c = TokenLayout((40, 80), 1), 6 * 64
+    options = attention_options(name, {"tile_aligned": True}, layout.grid)
+    layer = get_attention(name)
+    row_windows = [3] * 5 if name == "neighborhood" else [2, 3, 3, 3, 2]  # tiles seen by each row of tiles
+    keys_seen = (8 * sum(row_windows) * 8) * (16 * sum(row_windows) * 16)
+    assert layer.mixing_flops(CostCase(layout, 6, 64, options)) == 4 * c * (keys_seen + layout.num_tokens)
+    monkeypatch.setattr("visattn.ops.backends.triton_runs_on", lambda device: True)
+    cuda = layer.mixing_memory(CostCase(layout, 6, 64, options, 2, CUDA))
+    assert cuda == MixingMemory(infer=4 * 3201 * c * 2 + 4 * 6 * 3201, train=4 * 3201 * c * 2 + 4 * 6 * 3201)
