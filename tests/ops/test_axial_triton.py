@@ -52,11 +52,15 @@ SHAPES = [  # odd, non-square grids: rows of 11 and 19 (two query blocks), colum
 CASES = [Case(*shape, dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16) for shape in SHAPES]
 
 
-def tolerance(dtype: torch.dtype) -> float:
-    """RMS-relative, against the twin in fp32 on the same rounded inputs: fp32's sums in another order;
-    in fp16/bf16 the roundings of what the hops store between them (the row hop's output, its gradient,
-    the column hop's dq and dk) and of the result, a few units of the dtype's eps."""
-    return 1e-5 if dtype == torch.float32 else 3 * torch.finfo(dtype).eps
+def tolerance(dtype: torch.dtype, grad: bool = False) -> float:
+    """RMS-relative, against the twin in fp32 on the same rounded inputs: fp32's sums in another order.
+    In fp16/bf16 the roundings of what the hops store between them (the row hop's output, its gradient,
+    the column hop's dq and dk) and of the result, and on a GPU of the probabilities and score gradients
+    that enter the tensor cores: a few units of the dtype's eps for outputs, twice that for gradients,
+    whose softmax backward takes a difference (dP - D) that loses bits."""
+    if dtype == torch.float32:
+        return 1e-5
+    return (8 if grad else 4) * torch.finfo(dtype).eps
 
 
 def projection(case: Case, device: str) -> torch.Tensor:
@@ -91,7 +95,7 @@ def test_packed_matches_naive(case, device):
     assert out.is_contiguous() and grad.is_contiguous()
     assert_rms_close(out.float(), ref, tolerance(case.dtype), "out")
     for name, g, g_ref in zip("qkv", split_qkv(grad.float(), case.heads), split_qkv(ref_grad, case.heads)):
-        assert_rms_close(g, g_ref, tolerance(case.dtype), f"d{name}")
+        assert_rms_close(g, g_ref, tolerance(case.dtype, grad=True), f"d{name}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -112,7 +116,7 @@ def test_views_of_a_projection_match_naive(case, device):
     assert out.transpose(1, 2).is_contiguous()
     assert_rms_close(out.float(), ref, tolerance(case.dtype), "out")
     for name, g, g_ref in zip("qkv", grads, ref_grads):
-        assert_rms_close(g.float(), g_ref, tolerance(case.dtype), f"d{name}")
+        assert_rms_close(g.float(), g_ref, tolerance(case.dtype, grad=True), f"d{name}")
 
 
 @pytest.mark.parametrize(
@@ -167,6 +171,22 @@ def test_fullgraph_compile_matches_eager(device):
     assert_rms_close(compiled_grad, eager_grad, 1e-6, "dqkv")
 
 
+@pytest.mark.compile
+@pytest.mark.cuda
+def test_compile_with_dynamic_shapes():
+    """With dynamic shapes the sizes reach the launchers as symbols; a tile size is made concrete, so each
+    grid gets its kernels and both match eager."""
+    torch._dynamo.reset()
+    compiled = torch.compile(packed_triton_axial_attn, fullgraph=True, dynamic=True)
+    for grid in ((5, 3), (6, 4)):
+        case = Case(2, 2, grid, 1, 16, torch.float32)
+        qkv = projection(case, "cuda")
+        eager, (eager_grad,) = grads_of(lambda t: packed_triton_axial_attn(t, 2, grid, 1), qkv)
+        out, (grad,) = grads_of(lambda t: compiled(t, 2, grid, 1), qkv)
+        assert_rms_close(out, eager, 1e-6, f"out {grid}")
+        assert_rms_close(grad, eager_grad, 1e-6, f"dqkv {grid}")
+
+
 @pytest.mark.cuda
 def test_op_registration():
     """torch.library's checks of the ops: schema, fake (meta) outputs against the real ones, autograd."""
@@ -186,7 +206,7 @@ def test_longest_lines_at_bf16():
         out, (grad,) = grads_of(lambda t: packed_triton_axial_attn(t, case.heads, case.grid, case.prefix), qkv)
         ref, (ref_grad,) = grads_of(lambda t: naive_packed(t, case), qkv)
         assert_rms_close(out.float(), ref, tolerance(case.dtype), f"out {grid}")
-        assert_rms_close(grad.float(), ref_grad, tolerance(case.dtype), f"dqkv {grid}")
+        assert_rms_close(grad.float(), ref_grad, tolerance(case.dtype, grad=True), f"dqkv {grid}")
 
 
 def test_bad_inputs_raise():

@@ -364,8 +364,10 @@ if HAS_TRITON:
 
 
 def _block(n: int) -> int:
-    """The power-of-two tile side holding n rows, at least 16 (``tl.dot`` takes no smaller operand)."""
-    return max(16, 1 << max(n - 1, 0).bit_length())
+    """The power-of-two tile side holding n rows, at least 16 (``tl.dot`` takes no smaller operand). A
+    symbolic size (a compiled graph with dynamic shapes) is made concrete: a tile size is a constant of
+    the kernel."""
+    return max(16, 1 << max(int(n) - 1, 0).bit_length())
 
 
 def _strides(*tensors: torch.Tensor) -> list[int]:
