@@ -17,11 +17,13 @@ from visattn.ops.axial.naive import naive_axial_attn
 from visattn.ops.axial.triton import packed_triton_axial_attn, triton_axial_attn, triton_fits
 from visattn.ops.backends import choose_axial_backend
 from visattn.ops.layout import merge_heads, split_qkv
-from visattn.ops.triton_support import HAS_TRITON
+from visattn.ops.triton_support import HAS_TRITON, triton_runs_on
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+# CPU tensors reach the kernels only interpreted: tests/conftest.py sets TRITON_INTERPRET=1 where torch sees no GPU
+INTERPRETED_CPU = pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="Triton runs on the GPU here")
+DEVICES = [pytest.param("cpu", marks=INTERPRETED_CPU), pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,11 @@ def test_views_of_a_projection_match_naive(case, device):
 @pytest.mark.parametrize(
     "grid,prefix", [((1, 6), 1), ((6, 1), 0), ((2, 3), 3)], ids=["grid1x6-p1", "grid6x1-p0", "grid2x3-p3"]
 )
-def test_lines_of_one_and_more_prefix_than_lines(grid, prefix):
+@pytest.mark.parametrize("device", DEVICES)
+def test_lines_of_one_and_more_prefix_than_lines(grid, prefix, device):
     """A single row or column (lines of one token), and more prefix tokens than a line has."""
     case = Case(2, 2, grid, prefix, 16, torch.float32)
-    qkv = projection(case, "cpu")
+    qkv = projection(case, device)
     out, (grad,) = grads_of(lambda t: packed_triton_axial_attn(t, case.heads, case.grid, case.prefix), qkv)
     ref, (ref_grad,) = grads_of(lambda t: naive_packed(t, case), qkv)
     assert_rms_close(out, ref, 1e-5, "out")
@@ -143,11 +146,12 @@ def test_deterministic(device):
     assert torch.equal(first[1][0], second[1][0])
 
 
-def test_autocast_runs_in_its_dtype():
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_runs_in_its_dtype(device):
     """Under autocast fp32 inputs are taken in autocast's dtype, as SDPA takes them."""
     case = Case(1, 2, (5, 4), 1, 16, torch.float32)
-    qkv = projection(case, "cpu")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    qkv = projection(case, device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         out = packed_triton_axial_attn(qkv, case.heads, case.grid, case.prefix)
     assert out.dtype == torch.bfloat16
     assert_rms_close(out.float(), naive_packed(qkv.bfloat16(), case), tolerance(torch.bfloat16), "out")
@@ -209,14 +213,15 @@ def test_longest_lines_at_bf16():
         assert_rms_close(grad.float(), ref_grad, tolerance(case.dtype, grad=True), f"dqkv {grid}")
 
 
-def test_bad_inputs_raise():
-    qkv = torch.randn(1, 13, 3 * 32)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_raise(device):
+    qkv = torch.randn(1, 13, 3 * 32, device=device)
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         packed_triton_axial_attn(qkv.double(), 2, (3, 4), 1)
-    wide = torch.randn(1, 257, 3 * 32)
+    wide = torch.randn(1, 257, 3 * 32, device=device)
     with pytest.raises(ValueError, match="grid width 257"):
         packed_triton_axial_attn(wide, 2, (1, 257))
-    q = torch.randn(1, 1, 13, 300)
+    q = torch.randn(1, 1, 13, 300, device=device)
     with pytest.raises(ValueError, match="head_dim 300"):
         triton_axial_attn(q, q, q, (3, 4), 1)
 
