@@ -497,6 +497,7 @@ def _backward(
 
 
 def _axial_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, p: int, scale: float) -> Tensors5:
+    """:func:`_axial`'s outputs, unwritten (its fake under the interpreter)."""
     return token_major_empty(*q.shape, q), *_saved_buffers(q, p)
 
 
@@ -508,6 +509,7 @@ def _axial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, p: int, sc
 
 
 def _axial_grads_outputs(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_) -> Tensors3:
+    """:func:`_axial_grads`'s outputs, unwritten (its fake under the interpreter)."""
     return token_major_empty(*q.shape, q), token_major_empty(*k.shape, k), token_major_empty(*v.shape, v)
 
 
@@ -532,6 +534,7 @@ def _axial_grads(
 
 
 def _packed_outputs(qkv: torch.Tensor, num_heads: int, h: int, p: int, scale: float) -> Tensors5:
+    """:func:`_packed`'s outputs, unwritten (its fake under the interpreter)."""
     batch, n, width = qkv.shape
     return qkv.new_empty(batch, n, width // 3), *_saved_buffers(split_qkv(qkv, num_heads)[0], p)
 
@@ -544,6 +547,7 @@ def _packed(qkv: torch.Tensor, num_heads: int, h: int, p: int, scale: float) -> 
 
 
 def _packed_grads_outputs(grad: torch.Tensor, qkv: torch.Tensor, *_) -> torch.Tensor:
+    """:func:`_packed_grads`'s output, unwritten (its fake under the interpreter)."""
     return torch.empty_like(qkv, memory_format=torch.contiguous_format)
 
 
