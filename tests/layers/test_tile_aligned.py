@@ -60,7 +60,8 @@ def test_the_options_change_the_function_and_show():
 
 def test_one_flat_option_reaches_both_types():
     """``--attn-kwargs tile_aligned=true,aligned_tile=[4,8]`` for a grid of neighborhood and sparse rows."""
-    per_type, unused = options_per_type(["neighborhood", "sparse"], parse_key_values("tile_aligned=true,aligned_tile=[4,8]"))
+    text = "tile_aligned=true,aligned_tile=[4,8]"
+    per_type, unused = options_per_type(["neighborhood", "sparse"], parse_key_values(text))
     assert unused == []
     for name in ("neighborhood", "sparse"):
         assert per_type[name] == {"tile_aligned": True, "aligned_tile": [4, 8]}

@@ -89,5 +89,7 @@ class NeighborhoodAttention(LocalWindowAttention):
         if tile is None:
             rows, cols = (neighborhood_tiling(length, k, options["tile_size"]) for length in grid)
         else:
-            rows, cols = (tile_neighborhood_tiling(length, t, tiles_holding(k // 2, t)) for length, t in zip(grid, tile))
+            rows, cols = (
+                tile_neighborhood_tiling(length, t, tiles_holding(k // 2, t)) for length, t in zip(grid, tile)
+            )
         return rows, cols

@@ -77,12 +77,17 @@ def test_sparse_windows_by_hand(length, tile, halo, windows):
 @pytest.mark.parametrize("grid,p,tile", CASES, ids=CASE_IDS)
 def test_plans_are_the_twins_windows(op, grid, p, tile):
     rows, cols = OPS[op][2](grid, tile)
-    twin = neighborhood_mask(grid, 5, aligned_tile=tile) if op == "neighborhood" else sparse_mask(grid, 8, 3, aligned_tile=tile)
+    if op == "neighborhood":
+        twin = neighborhood_mask(grid, 5, aligned_tile=tile)
+    else:
+        twin = sparse_mask(grid, 8, 3, aligned_tile=tile)
     assert torch.equal(rows.axis_mask()[:, None, :, None] & cols.axis_mask()[None, :, None, :], twin.view(*grid, *grid))
     assert rows.whole_tiles and cols.whole_tiles
 
 
-@pytest.mark.parametrize("grid,k", [((13, 11), 5), ((19, 35), 7), ((6, 40), 9)], ids=["grid13x11-k5", "grid19x35-k7", "grid6x40-k9"])
+@pytest.mark.parametrize(
+    "grid,k", [((13, 11), 5), ((19, 35), 7), ((6, 40), 9)], ids=["grid13x11-k5", "grid19x35-k7", "grid6x40-k9"]
+)
 @pytest.mark.parametrize("tile", [(4, 3), (8, 16)], ids=["tile4x3", "tile8x16"])
 def test_a_tile_window_holds_each_querys_neighbourhood(grid, k, tile):
     exact, aligned = neighborhood_mask(grid, k), neighborhood_mask(grid, k, aligned_tile=tile)
@@ -91,10 +96,10 @@ def test_a_tile_window_holds_each_querys_neighbourhood(grid, k, tile):
 
 
 # every path on three grids, but the Triton kernels (interpreted on the CPU: tens of seconds a case) on the first
-PATH_CASES = [(*case, backend) for case in CASES[:3] for backend in backends.BACKENDS["local"]
-              if backend != "triton" or case == CASES[0]]
-PATH_IDS = [f"{case_id}-{backend}" for case_id, case in zip(CASE_IDS, CASES[:3]) for backend in backends.BACKENDS["local"]
-            if backend != "triton" or case == CASES[0]]
+PATHS = [(case, case_id, backend) for case, case_id in zip(CASES[:3], CASE_IDS) for backend in backends.BACKENDS["local"]
+         if backend != "triton" or case == CASES[0]]
+PATH_CASES = [(*case, backend) for case, _, backend in PATHS]
+PATH_IDS = [f"{case_id}-{backend}" for _, case_id, backend in PATHS]
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -134,12 +139,15 @@ LAYER_OPTIONS = {"neighborhood": {"tile_aligned": True}, "sparse": {"tile_aligne
 
 @pytest.mark.parametrize("halo", [0, 3], ids=["halo0", "halo3"])
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("grid,p", [((32, 48), 0), ((40, 80), 1), ((16, 64), 5)], ids=["grid32x48-p0", "grid40x80-p1", "grid16x64-p5"])
+@pytest.mark.parametrize(
+    "grid,p", [((32, 48), 0), ((40, 80), 1), ((16, 64), 5)], ids=["grid32x48-p0", "grid40x80-p1", "grid16x64-p5"]
+)
 def test_every_kept_block_is_full_and_counted_by_the_cost_formula(op, grid, p, halo):
     """On grids of whole 8 x 16 tiles: no partial block (FlexAttention never evaluates the mask), the prefix
     rows apart; the kept blocks are the (query, key) pairs of the layer's cost formula over 128 x 128, and the
     tables are those FlexAttention derives from the mask itself."""
-    options = attention_options(op, LAYER_OPTIONS[op] | ({"halo": halo} if op == "sparse" else {"kernel_size": 2 * halo + 1}), grid)
+    window = {"halo": halo} if op == "sparse" else {"kernel_size": 2 * halo + 1}
+    options = attention_options(op, LAYER_OPTIONS[op] | window, grid)
     tile = options["aligned_tile"]
     rows, cols = (
         neighborhood_plans(grid, options["kernel_size"], 8, tile, CPU) if op == "neighborhood"
@@ -209,7 +217,10 @@ def test_flex_is_chosen_on_cuda_even_where_triton_runs(monkeypatch):
 @pytest.mark.parametrize("op", ["neighborhood", "sparse"])
 def test_bad_options_raise(op, kwargs, match):
     q, k, v = (torch.randn(1, 1, 4 * 4, 8) for _ in range(3))
-    attn = (lambda *a, **kw: neighborhood_attn(*a, 3, **kw)) if op == "neighborhood" else (lambda *a, **kw: sparse_attn(*a, 2, 1, **kw))
+    if op == "neighborhood":
+        attn = lambda *a, **kw: neighborhood_attn(*a, 3, **kw)
+    else:
+        attn = lambda *a, **kw: sparse_attn(*a, 2, 1, **kw)
     with pytest.raises(ValueError, match=match):
         attn(q, k, v, (4, 4), **kwargs)
 
@@ -236,7 +247,8 @@ def test_cuda_flex_matches_naive(op, grid, p, dtype):
         out.backward(cotangent.to(out.dtype))
         return out.detach(), [t.grad for t in leaves]
 
-    expected, expected_grads = run(lambda q, k, v: naive_attn(q, k, v, grid, num_prefix_tokens=p), *(t.double() for t in (q, k, v)))
+    naive = lambda q, k, v: naive_attn(q, k, v, grid, num_prefix_tokens=p)
+    expected, expected_grads = run(naive, *(t.double() for t in (q, k, v)))
     with backends.force_backend("local", "flex"):
         out, grads = run(lambda q, k, v: attn(q, k, v, grid, num_prefix_tokens=p), q, k, v)
     out_tol, grad_tol = (1e-5, 1e-5) if dtype == torch.float32 else (BF16_OUT_TOL, BF16_GRAD_TOL)

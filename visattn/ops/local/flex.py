@@ -112,7 +112,7 @@ class FlexLayout:
     slot, but the padding ones where ``prefix_keys`` says so. Cached and compared by identity."""
 
     block_mask: BlockMask
-    slot_token: torch.Tensor  # (S,) long, S = prefix slots + padded grid
+    slot_token: torch.Tensor  # (S,) long, S = flex_slots(...): the prefix slots and the padded grid
     token_slot: torch.Tensor  # (N,) long
     attended: int
     prefix_keys: torch.Tensor | None = None  # (1, 1, 1, S) bool: the real slots, where the grid is padded
@@ -206,7 +206,8 @@ def flex_layout(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_v
     block_mask = BlockMask.from_kv_blocks(
         *_ordered(kept & ~full), *_ordered(full), BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(attended, attended)
     )
-    prefix_keys = torch.cat([real, prefix.new_ones(p, dtype=torch.bool)])[None, None, None] if apart and H * W < grid_slots else None
+    padded = apart and H * W < grid_slots
+    prefix_keys = torch.cat([real, prefix.new_ones(p, dtype=torch.bool)])[None, None, None] if padded else None
     return FlexLayout(block_mask, slot_token, token_slot, attended, prefix_keys)
 
 
