@@ -225,6 +225,21 @@ def test_bad_options_raise(op, kwargs, match):
         attn(q, k, v, (4, 4), **kwargs)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("grid", [(16, 32), (19, 35)], ids=["grid16x32", "grid19x35-ragged"])
+def test_flex_traces_into_one_graph(grid):
+    """Plans, block mask and the prefix rows' SDPA apart, built inside the graph without a break."""
+    p = 2
+    q, k, v = (torch.randn(1, 2, p + grid[0] * grid[1], 8) for _ in range(3))
+
+    def attend(q, k, v):
+        return neighborhood_attn(q, k, v, grid, 7, num_prefix_tokens=p, tile_aligned=True, backend="flex")
+
+    compiled = torch.compile(attend, fullgraph=True, backend="eager")(q, k, v)
+    naive = naive_neighborhood_attn(q, k, v, grid, 7, num_prefix_tokens=p, tile_aligned=True)
+    assert_rms_close(compiled, naive, 1e-5, "compiled flex")
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16_OUT_TOL, BF16_GRAD_TOL = 4 * 2**-8, 8 * 2**-8  # as the flex path's GPU tests (tests/ops/local/test_flex.py)
 
