@@ -27,6 +27,7 @@ from visattn.ops.sparse import sparse_mask
 GRID = (16, 16)
 PREFIX = 2  # a class token and a register token
 KERNEL, BLOCK, HALO, DWCONV, LINFORMER_K = 7, 8, 3, 3, 16
+TILE = (4, 4)  # the tile-aligned windows' tile for the picture, against the default 8 x 16 (a 16 x 16 grid's 2 tiles)
 LONGFORMER_GLOBAL = PREFIX + 1  # the prefix tokens and one learned global token (num_extra_global_tokens=1)
 LIGHT = 0.35  # linear attention's weight of every key, beside its locality term
 
@@ -39,7 +40,7 @@ class Picture:
     keys: Callable[[int], torch.Tensor]
     call: str  # the expression of ``keys``, as the page's caption shows it
     prefix: int = PREFIX
-    block: int | None = None  # outline the query's block of this side (sparse)
+    block: int | None = None  # outline the query's block of this side (sparse, the tile-aligned windows)
 
 
 def _grid_distance(query: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +90,21 @@ PICTURES: dict[str, Picture] = {
         lambda query: with_prefix_tokens(sparse_mask(GRID, BLOCK, HALO), PREFIX)[PREFIX + query].float(),
         f"`with_prefix_tokens(sparse_mask({GRID}, {BLOCK}, {HALO}), {PREFIX})`: dashed, the query's {BLOCK}×{BLOCK} "
         f"block; around it, its halo of {HALO}", block=BLOCK),
+    "neighborhood-tile-aligned": Picture(
+        lambda query: with_prefix_tokens(neighborhood_mask(GRID, KERNEL, aligned_tile=TILE), PREFIX)[PREFIX + query].float(),
+        f"`with_prefix_tokens(neighborhood_mask({GRID}, {KERNEL}, aligned_tile={TILE}), {PREFIX})` (`tile_aligned=true, "
+        f"aligned_tile=[{TILE[0]}, {TILE[1]}]`): dashed, the query's tile; its window, 3×3 tiles, holds the {KERNEL}×{KERNEL} "
+        "neighbourhood of each query of the tile, shifted inward at the border", block=TILE[0]),
+    "sparse-tile-aligned": Picture(
+        lambda query: with_prefix_tokens(sparse_mask(GRID, BLOCK, HALO, aligned_tile=TILE), PREFIX)[PREFIX + query].float(),
+        f"`with_prefix_tokens(sparse_mask({GRID}, {BLOCK}, {HALO}, aligned_tile={TILE}), {PREFIX})` (`tile_aligned=true, "
+        f"aligned_tile=[{TILE[0]}, {TILE[1]}]`): dashed, the query's tile, in place of the {BLOCK}×{BLOCK} block; its halo of "
+        f"{HALO} rounded out to one tile, cut at the border", block=TILE[0]),
+    "sparse-tile-aligned-halo0": Picture(
+        lambda query: with_prefix_tokens(sparse_mask(GRID, BLOCK, 0, aligned_tile=TILE), PREFIX)[PREFIX + query].float(),
+        f"`with_prefix_tokens(sparse_mask({GRID}, {BLOCK}, 0, aligned_tile={TILE}), {PREFIX})` (`tile_aligned=true, "
+        f"aligned_tile=[{TILE[0]}, {TILE[1]}], halo=0`): "
+        "Swin's windows without the shift, each tile alone", block=TILE[0]),
     "longformer": Picture(
         lambda query: longformer_mask(GRID, LONGFORMER_GLOBAL, kernel_size=KERNEL)[LONGFORMER_GLOBAL + query].float(),
         f"`longformer_mask({GRID}, {LONGFORMER_GLOBAL}, kernel_size={KERNEL})`: the class and register tokens and one "

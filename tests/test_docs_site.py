@@ -293,6 +293,7 @@ def test_the_pictures_show_the_prefix_tokens_each_type_reads():
     prefix, grid = DRAW_MASKS.PREFIX, DRAW_MASKS.GRID
     read = {name: bool(_keys(name)[:, :prefix].gt(0).all()) for name in DRAW_MASKS.PICTURES}
     assert read == {"softmax": True, "linear": True, "linear-decay": True, "neighborhood": False, "sparse": False,
+                    "neighborhood-tile-aligned": False, "sparse-tile-aligned": False, "sparse-tile-aligned-halo0": False,
                     "longformer": True, "linformer": True, "axial": True, "floor": False}
     global_tokens = DRAW_MASKS.PICTURES["longformer"].prefix
     assert global_tokens > prefix and _keys("longformer").shape[1] == global_tokens + grid[0] * grid[1]
