@@ -16,6 +16,7 @@ import torch
 from visattn.bench.sweep import DEFAULT_MODEL, DTYPES, timm_reference_name
 from visattn.layers import list_attentions
 from visattn.layers.options import options_per_type, parse_key_values
+from visattn.ops.backends import BACKENDS
 
 MAX_TOKENS = "max-tokens"  # visattn-bench max-tokens; without it, visattn-bench runs the sweep
 MAX_TOKENS_SUMMARY = "the largest token count each type runs forward and trains within a memory limit"
@@ -42,6 +43,17 @@ def memory_argument(text: str) -> int:
         return parse_memory(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def backend_argument(text: str) -> tuple[str, str]:
+    """``axial=sdpa`` -> ("axial", "sdpa"): an op of :data:`visattn.ops.backends.BACKENDS` and one of its paths,
+    as an argparse type (``--backend``)."""
+    op, equals, name = text.partition("=")
+    if not equals or op not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"expected OP=NAME with OP one of {', '.join(BACKENDS)}, got {text!r}")
+    if name not in BACKENDS[op]:
+        raise argparse.ArgumentTypeError(f"{op}'s paths are {', '.join(BACKENDS[op])}, got {text!r}")
+    return op, name
 
 
 def _key_values(text: str) -> dict[str, Any]:

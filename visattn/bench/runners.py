@@ -5,11 +5,14 @@
 * :class:`OpInference`: the token mixing alone (no projections) on random q, k, v created in the case's
   dtype (and run under autocast in bf16/fp16, for the layer's own parameters);
 * :class:`OpTraining`: the token mixing and its backward.
+
+A case's ``backends`` (``--backend OP=NAME``) hold for its whole worker: :func:`forced_backends`.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from typing import Any, ClassVar
 
 import torch
@@ -17,7 +20,17 @@ import torch.nn.functional as F
 
 from visattn.bench.sweep import DTYPES, EXPLICIT_SOFTMAX, Case, build_layer, build_model
 from visattn.layers import GridAttention
+from visattn.ops.backends import force_backend
 from visattn.ops.softmax import naive_softmax_attn
+
+
+def forced_backends(pairs: Iterable[tuple[str, str]]) -> ExitStack:
+    """A context in which each op of ``pairs`` ((op, path) of :data:`visattn.ops.backends.BACKENDS`) runs on its
+    path (:func:`~visattn.ops.backends.force_backend`)."""
+    with ExitStack() as stack:  # a bad pair undoes the ones before it
+        for op, name in pairs:
+            stack.enter_context(force_backend(op, name))
+        return stack.pop_all()
 
 
 class Runner(ABC):

@@ -50,6 +50,7 @@ class Case:
     grad_checkpointing: bool = False  # train mode: timm's set_grad_checkpointing (recompute each block)
     tile: tuple[int, int] = (224, 224)  # the tiled row: tile size (pixels), the size its timm model is built for
     tile_overlap: int = 0  # the tiled row: least overlap of neighbouring tiles (pixels)
+    backends: tuple[tuple[str, str], ...] = ()  # (op, path) forced in the worker (visattn-bench --backend OP=NAME)
 
     @property
     def size_label(self) -> str:
@@ -209,7 +210,7 @@ def plan_model_point(args: argparse.Namespace, point: Point) -> list[Result]:
                 dtype=args.dtype, compile=args.compile, attn_kwargs=args.attn_kwargs.get(attn, {}),
                 model_name=args.model, timm_name=args.timm_model, num_classes=args.num_classes,
                 model_kwargs=args.model_kwargs, grad_checkpointing=args.grad_checkpointing,
-                tile=args.tile, tile_overlap=args.tile_overlap,
+                tile=args.tile, tile_overlap=args.tile_overlap, backends=args.backends,
             )
             meta = build_model(case, device="meta")  # also checks the options, before any worker starts
             shape = ViTShape.from_model(meta.model if attn == TILED else meta)
@@ -262,7 +263,7 @@ def plan_ops_point(args: argparse.Namespace, point: Point) -> list[Result]:
             case = Case(
                 kind="op", attn=attn, mode=mode, size=grid, batch_size=point.batch_size, device=args.device,
                 dtype=args.dtype, compile=args.compile, attn_kwargs=args.attn_kwargs.get(attn, {}),
-                num_heads=args.heads, head_dim=args.head_dim,
+                num_heads=args.heads, head_dim=args.head_dim, backends=args.backends,
             )
             layout = TokenLayout(grid, 0)
             if attn == EXPLICIT_SOFTMAX:  # the same products as the fused op

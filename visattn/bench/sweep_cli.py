@@ -24,10 +24,12 @@ import torch
 from tqdm import tqdm
 
 from visattn.bench.arguments import (
-    MAX_TOKENS, MAX_TOKENS_SUMMARY, MEMORY_SYNTAX, add_shared_arguments, check_shared_arguments, memory_argument,
+    MAX_TOKENS, MAX_TOKENS_SUMMARY, MEMORY_SYNTAX, add_shared_arguments, backend_argument, check_shared_arguments,
+    memory_argument,
 )
 from visattn.bench.calibrate import calibrate
 from visattn.bench.memory import capacity_bytes
+from visattn.bench.runners import forced_backends
 from visattn.bench.sweep import (
     FLOOR,
     MODES,
@@ -85,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--compile", action="store_true", help="torch.compile the model (the op in --ops); the first warm-up round compiles")
     p.add_argument(
+        "--backend", dest="backends", type=backend_argument, action="append", default=[], metavar="OP=NAME",
+        help="run every row with op OP on path NAME (visattn.ops.backends.force_backend), e.g. axial=sdpa; repeat "
+        "for several ops",
+    )
+    p.add_argument(
         "--references", nargs="*", choices=[TIMM, FLOOR, TILED], default=[TIMM, FLOOR],
         help="reference rows of the model sweep; leave timm out where its step would take too long; tiled: timm's "
         "model at --tile px run on tiles of the image (visattn.tiled)",
@@ -119,6 +126,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if min(args.batch_sizes) < 1:
         parser.error(f"--batch-size must be >= 1, got {' '.join(map(str, args.batch_sizes))}")
     args.batch_sizes = list(dict.fromkeys(args.batch_sizes))
+    ops = [op for op, _ in args.backends]
+    if len(set(ops)) < len(ops):
+        parser.error(f"--backend: one path per op, got {' '.join(f'{op}={name}' for op, name in args.backends)}")
+    args.backends = tuple(args.backends)
     finite = all(math.isfinite(s) for s in (args.min_seconds, args.settle, args.max_seconds))
     if not finite or args.warmup < 0 or args.min_seconds < 0 or args.settle < 0 or args.max_seconds <= 0:
         parser.error("--warmup, --min-seconds and --settle must be >= 0 and --max-seconds > 0")
@@ -154,7 +165,8 @@ def mark_unfinished(results: list[Result]) -> None:
 def run(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
     """Plan, measure, write the outputs; returns the results and the summary. A sweep stopped part-way
     (Ctrl-C, SIGTERM) writes what it measured, then stops as asked."""
-    plan = plan_ops_sweep(args) if args.ops else plan_model_sweep(args)
+    with forced_backends(args.backends):  # the memory estimates count the forced paths
+        plan = plan_ops_sweep(args) if args.ops else plan_model_sweep(args)
     results = [r for group in plan for r in group]
     stopped = _measure(plan, results, args)
     summary = summarize(results, args.fit_points)

@@ -197,6 +197,7 @@ def _heading(results: list[Result]) -> list[str]:
         else f"{first.model_name} vs timm {first.timm_name}, batch {batches}"
     )
     flags = (", compiled" if first.compile else "") + (", gradient checkpointing" if first.grad_checkpointing else "")
+    flags += "".join(f", {op} on {name}" for op, name in first.backends)  # --backend
     lines = [f"# visattn-bench: {what}, {first.device}, {first.dtype}{flags}", ""]
     if not ops:
         lines += ["% floor and x timm: the median over interleaved rounds of the per-round ratio, with its "

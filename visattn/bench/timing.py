@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from visattn.bench.memory import groups_that_fit, memory_bytes, skip_over_budget, start_on_device
-from visattn.bench.runners import build_runner
+from visattn.bench.runners import build_runner, forced_backends
 from visattn.bench.sweep import FLOOR, Case, Result
 
 # Serials of the timed rounds, unique in this process: steps of one round, and only they, share one.
@@ -123,7 +123,13 @@ def settle_on(device: torch.device, settle: float) -> float:
 
 
 def _worker_main(conn: Any, case: Case) -> None:
-    """Build the case, then serve "step" (one timed step) and "finish" (peak memory) requests."""
+    """Build the case, then serve "step" (one timed step) and "finish" (peak memory) requests, with the case's
+    forced backends (``--backend``) for the whole worker."""
+    with forced_backends(case.backends):
+        _serve(conn, case)
+
+
+def _serve(conn: Any, case: Case) -> None:
     device = torch.device(case.device)
     timer = step_timer(device)
     try:
