@@ -32,10 +32,11 @@ test-fast: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(VENV)/bin/visattn-bench
 
-# On a machine with an NVIDIA GPU: the cuda tests, the GPU benchmark rows and a short bf16 training run, into
-# $(DEVICE_CHECK_OUT); STAGES="profile_train_1024 profile_2048 profile_224 max_tokens compile_1024" runs the kernel
-# profiles, the largest grid each type trains at and compiled rows instead; MAX_TOKENS_ROWS (with max_tokens in
-# STAGES) replaces that search's rows (see scripts/device_check.sh).
+# On a machine with an NVIDIA GPU: the cuda tests, the Triton kernels beside the paths they replace and the GPU
+# benchmark rows, into $(DEVICE_CHECK_OUT); STAGES="infer_2048_previous train_1024_previous train_run" runs the rows on
+# the paths before the kernels and a short bf16 training run instead, STAGES="profile_train_1024 profile_2048
+# profile_224 max_tokens compile_1024" the kernel profiles, the largest grid each type trains at and compiled rows;
+# MAX_TOKENS_ROWS (with max_tokens in STAGES) replaces that search's rows (see scripts/device_check.sh).
 DEVICE_CHECK_OUT ?= device_check_out
 device-check:
 	OUT=$(DEVICE_CHECK_OUT) PYTHON=$(PYTHON) bash scripts/device_check.sh

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check: the cuda tests, the GPU benchmark rows (ViT-S/16, bf16) and one short bf16 training run at
-# 4,096 tokens; when named, kernel profiles, the largest grid each type trains at and compiled rows. Each stage
-# runs under its own time limit, so that one failure leaves the others' results.
+# The GPU check: the cuda tests, the Triton kernels timed beside the paths they replace (with the launch
+# configurations their autotuning chose) and the GPU benchmark rows (ViT-S/16, bf16); when named, the benchmark rows
+# on the paths before the kernels, one short bf16 training run at 4,096 tokens, kernel profiles, the largest grid
+# each type trains at and compiled rows. Each stage runs under its own time limit, so that one failure leaves the
+# others' results.
 # Usage: OUT=results_dir [ARCHIVE=file.tgz] [COMMIT=sha] bash scripts/device_check.sh   (from the repository
 # root, on a GPU machine). After every stage OUT/results.md (the dated results page, scripts/device_report.py)
 # is written anew, and ARCHIVE, if set (outside OUT), with all of OUT but the run's weights.
-# Stage limits (seconds) are CUDA_TESTS_LIMIT, INFER_LIMIT, TRAIN_LIMIT, TRAIN_2048_LIMIT, RUN_LIMIT, PROFILE_LIMIT,
-# MAX_TOKENS_LIMIT, COMPILE_LIMIT; STAGES (below) chooses them. MAX_TOKENS_ROWS, words passed to `visattn-bench
-# max-tokens` (default: $ATTN below, beside timm and floor), replaces the max_tokens stage's rows, e.g.
+# Stage limits (seconds) are CUDA_TESTS_LIMIT, KERNELS_LIMIT, INFER_LIMIT, TRAIN_LIMIT, TRAIN_2048_LIMIT, RUN_LIMIT,
+# PROFILE_LIMIT, MAX_TOKENS_LIMIT, COMPILE_LIMIT; STAGES (below) chooses them. MAX_TOKENS_ROWS, words passed to
+# `visattn-bench max-tokens` (default: $ATTN below, beside timm and floor), replaces the max_tokens stage's rows, e.g.
 # MAX_TOKENS_ROWS="--references --attn longformer linformer" searches those two types without timm and floor.
 set -uo pipefail
 OUT=${OUT:-device_check_out}
@@ -16,10 +18,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1  # a stage stopped at its limit keeps the log it printed
 PY=${PYTHON:-python3}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-# The check: about 460 s of stages on an H200 (the stage times of docs/results/2026-11-27-h200-check.md, with the
-# training run's 117 s of 2026-11-27-h200-benchmark.md, which drew its own images). The kernel profiles (75 s there),
-# max_tokens (over 225 s) and compile_1024 run when named.
-CHECK="cuda_tests infer_2048 infer_1024 train_1024 infer_224 train_2048 train_run"
+# The check: about 445 s of stages on an H200, an estimate: the cuda tests and the kernels at their limits (150 s,
+# 60 s; the cuda tests took 106 s at half today's count, most new ones autotune Triton kernels) and the benchmark
+# stages' 235 s of docs/results/2026-11-27-h200-check.md (where FlexAttention compiled in the rows the Triton kernels
+# take now, their compiled kernels cached by the kernels stage). When named: the rows on the paths before the kernels
+# (about 35 and 30 s), the training run (99 s there), the kernel profiles (75 s), max_tokens (over 225 s) and
+# compile_1024.
+CHECK="cuda_tests kernels infer_2048 infer_1024 train_1024 infer_224 train_2048"
 STAGES=${STAGES:-$CHECK}  # or some of the stage names below, e.g. STAGES="cuda_tests infer_2048"
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -42,11 +47,24 @@ cat "$OUT/environment.txt"
 BENCH="$PY -m visattn.bench --device cuda --dtype bf16 --warmup 2 --min-iters 5 --min-seconds 0.25 --max-seconds 5"
 ATTN="--attn linear axial neighborhood sparse longformer linformer"  # beside timm (flash SDPA) and floor
 MAX_TOKENS_ROWS=${MAX_TOKENS_ROWS:-$ATTN}
+# The paths the types with Triton kernels took before them: the linear layer's projection split into heads and
+# linear_attn's plain matmuls, SDPA on the rows and columns, FlexAttention's local windows.
+PREVIOUS="--references --backend projected_linear=split --backend linear=plain"
+PREVIOUS+=" --backend axial=sdpa --backend local=flex"
 # Most important first: a stage past its limit loses only itself (the benchmark writes the rows it measured).
 stage cuda_tests "${CUDA_TESTS_LIMIT:-150}" $PY -m pytest -v -m cuda -p no:cacheprovider --durations 8 tests
+# From here on a kernel autotunes once per key and dtype on this machine: later processes read the choice from
+# Triton's cache (the tests' choices, made at their small shapes, are not kept).
+export TRITON_CACHE_AUTOTUNING=1
+# The Triton kernels at ViT-S/16 shapes beside the paths they replace; their launch configurations to keep.
+stage kernels "${KERNELS_LIMIT:-60}" $PY scripts/time_kernels.py --device cuda --out "$OUT/kernels"
 stage infer_2048 "${INFER_LIMIT:-75}" $BENCH --modes infer --sizes 2048 --batch-size 4 $ATTN --out "$OUT/infer_2048"
+stage infer_2048_previous "${INFER_LIMIT:-75}" $BENCH --modes infer --sizes 2048 --batch-size 4 $PREVIOUS \
+  --attn linear axial neighborhood sparse longformer --out "$OUT/infer_2048_previous"
 stage infer_1024 "${INFER_LIMIT:-75}" $BENCH --modes infer --sizes 1024 --batch-size 16 $ATTN --out "$OUT/infer_1024"
 stage train_1024 "${TRAIN_LIMIT:-60}" $BENCH --modes train --sizes 1024 --batch-size 8 --attn linear axial neighborhood --out "$OUT/train_1024"
+stage train_1024_previous "${TRAIN_LIMIT:-60}" $BENCH --modes train --sizes 1024 --batch-size 8 $PREVIOUS \
+  --attn linear axial neighborhood --out "$OUT/train_1024_previous"
 stage infer_224 "${INFER_LIMIT:-75}" $BENCH --modes infer --sizes 224 --batch-size 128 $ATTN --out "$OUT/infer_224"
 stage train_2048 "${TRAIN_2048_LIMIT:-45}" $BENCH --modes train --sizes 2048 --batch-size 2 --attn linear --out "$OUT/train_2048"
 # The README's bf16 run at 1024 px (4,096 tokens), one short epoch.

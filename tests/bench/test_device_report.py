@@ -50,3 +50,27 @@ def test_the_page_copies_the_max_tokens_table_and_its_trials(tmp_path):
     assert ("```\ntimm train 131,044 tokens (362x362): ok in 12.0 s, peak 30,112 MB\n"
             "timm train 262,144 tokens (512x512): time in 40.0 s\n```") in page
     assert "some warning" not in page
+
+
+def test_the_page_opens_as_a_results_page_and_shows_the_kernels_and_the_previous_paths(tmp_path):
+    """The page reads as a results page (title, Topic, Status, Machine, Files behind it), the kernels' table and
+    launch configurations come before the benchmark stages, each stage on the previous paths right after its own."""
+    (tmp_path / "environment.txt").write_text("2026-12-01T06:50:13Z\nNVIDIA H200, 143771 MiB, 580.159.04\npython 3.12.3\n")
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "kernels.md").write_text("# Triton kernels: title\n\n## 1024 px\n\n| op | path |\n")
+    literal = "# visattn/ops/axial/triton.py\nTUNED_CONFIGS: dict[tuple[str, int, int, str], tuple[int, int, int]] = {}\n"
+    (tmp_path / "kernels" / "tuned_configs.txt").write_text(literal)
+    for stage in ("infer_2048_previous", "infer_2048", "train_1024"):
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "bench.md").write_text(f"# visattn-bench: {stage}\n")
+
+    page = report(tmp_path, "abc1234")
+    (tmp_path / "2026-12-01-h200-check.md").write_text(page)
+    header = load_script("docs_hooks").read_results_page(tmp_path / "2026-12-01-h200-check.md")
+    assert (header.title, header.topic, header.status) == ("GPU check, 2026-12-01", "The GPU check on an NVIDIA H200", "current")
+    assert header.machine.startswith("NVIDIA H200, 143771 MiB") and "`kernels/`" in header.files
+    assert "## kernels\n\n## Triton kernels: title\n\n### 1024 px\n\n| op | path |" in page
+    assert f"```python\n{literal}```" in page
+    order = [page.index(f"## {name}\n") for name in ("kernels", "infer_2048", "infer_2048_previous", "train_1024")]
+    assert order == sorted(order)
+    assert "Training run" not in page  # the training run did not run
