@@ -8,9 +8,25 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
+from visattn.ops.backends import BACKENDS
+from visattn.ops.triton_support import triton_runs_on
+
 REPO = Path(__file__).resolve().parents[1]
+
+# A test that runs a Triton kernel on CPU tensors: the interpreter runs it there, which tests/conftest.py turns
+# on only where torch sees no GPU; with a GPU the kernels take CUDA tensors alone and such a test skips.
+TRITON_ON_CPU = pytest.mark.skipif(
+    not triton_runs_on(torch.device("cpu")),
+    reason="Triton kernels take CPU tensors only interpreted (TRITON_INTERPRET=1, set where torch sees no GPU)",
+)
+
+
+def cpu_paths(op: str) -> list:
+    """``BACKENDS[op]`` as test parameters for CPU tensors: the ``"triton"`` path marked :data:`TRITON_ON_CPU`."""
+    return [pytest.param(name, marks=TRITON_ON_CPU) if name == "triton" else name for name in BACKENDS[op]]
 
 # train.py flags for a run of seconds: 96 train / 50 validation / 50 test digits at 16x16, patch 4 (a 4x4
 # grid), 6 steps of 16 per epoch.

@@ -6,14 +6,13 @@ import torch
 import torch.nn as nn
 from timm.models.vision_transformer import Block
 
-from tests.helpers import assert_rms_close
+from tests.helpers import TRITON_ON_CPU, assert_rms_close
 from visattn import get_attention, ops
 from visattn.layers import GridAttention
 from visattn.layers.axial import AxialAttention
 from visattn.layers.linformer import LinformerAttention
 from visattn.ops.backends import force_backend
 from visattn.ops.linformer import area_pooling_projection
-from visattn.ops.triton_support import triton_runs_on
 
 DIM, HEADS = 24, 3
 OPTIONS = {"axial": {}, "linformer": {"k": 6, "ref_grid": (4, 4)}}
@@ -164,7 +163,7 @@ def test_linformer_projecting_the_input_equals_the_generic_path(grid, p):
         assert_rms_close(grads_fast[name], grad, 1e-5, f"d{name}")
 
 
-@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="Triton kernels take CPU tensors only interpreted")
+@TRITON_ON_CPU
 @pytest.mark.parametrize("rope", [None, "axial"], ids=["projection", "rope"])
 def test_axial_triton_path_equals_sdpa(rope):
     """The layer on the Triton kernels, forced (interpreted on the CPU), against the same layer on SDPA,

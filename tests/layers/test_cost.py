@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import visattn
+from tests.helpers import TRITON_ON_CPU
 from visattn.layers import attention_options, get_attention
 from visattn.layers.axial import AxialAttention, sdpa_train_memory, triton_train_memory
 from visattn import ops
@@ -15,7 +16,7 @@ from visattn.layers.cost import CostCase, MixingMemory, TokenLayout, triton_memo
 from visattn.ops.axial import packed_axial_attn
 from visattn.ops.backends import force_backend
 from visattn.ops.layout import split_qkv
-from visattn.ops.triton_support import HAS_TRITON, triton_runs_on
+from visattn.ops.triton_support import HAS_TRITON
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device is only named here: nothing runs on CUDA
 
@@ -60,6 +61,7 @@ def test_a_local_type_on_cuda_counts_flex_attention_and_no_gathered_copies(attn,
     assert cpu.train > cuda.train and cpu.shared > 0  # the gathered tiles and their mask
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="without Triton the local types take FlexAttention on CUDA")
 @pytest.mark.parametrize("attn, opts", LOCAL, ids=LOCAL_IDS)
 def test_a_local_type_on_cuda_counts_the_triton_kernels(attn, opts):
     """The same cases where Triton is installed, as here: the kernels read q, k and v in place over the
@@ -74,6 +76,7 @@ def test_a_local_type_on_cuda_counts_the_triton_kernels(attn, opts):
     assert cuda == MixingMemory(infer=out, train=out + 3 * tokens * 16 * 2, shared=0)
 
 
+@TRITON_ON_CPU
 @pytest.mark.parametrize("prefix_visible", [False, True], ids=["local", "global"])
 def test_triton_memory_is_what_autograd_keeps(prefix_visible):
     """The ``"triton"`` path forced on the CPU (interpreted), on views of one qkv projection as the layers
@@ -162,7 +165,7 @@ def test_axial_on_cuda_counts_what_the_triton_kernels_keep():
     assert AxialAttention.mixing_memory(tall).train == sdpa_train_memory(tall)
 
 
-@pytest.mark.skipif(not triton_runs_on(CPU), reason="the Triton kernels take CPU tensors only interpreted")
+@TRITON_ON_CPU
 @pytest.mark.parametrize("grid, p", [((5, 7), 2), ((4, 6), 0)], ids=["grid5x7-p2", "grid4x6-p0"])
 def test_axial_triton_memory_is_what_autograd_keeps(grid, p):
     """The ``"triton"`` path forced on the CPU (interpreted): the storages saved for the backward, batch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import assert_rms_close
+from tests.helpers import TRITON_ON_CPU, assert_rms_close
 from visattn.layers import attention_options, get_attention
 from visattn.layers.cost import CostCase, MixingMemory, TokenLayout
 from visattn.ops.backends import force_backend
@@ -24,6 +24,7 @@ def _outputs_and_grads(layer, x, path, cotangent):
     return out.detach(), grads
 
 
+@TRITON_ON_CPU
 @pytest.mark.parametrize(
     "rope, prefix, other", [(None, 2, "packed"), (None, 0, "split"), ("axial", 1, "split")],
     ids=["p2-vs-packed", "p0-vs-split", "rope_axial-p1-vs-split"],
@@ -44,6 +45,7 @@ def test_forced_triton_path_matches_the_other_paths(rope, prefix, other):
         assert_rms_close(got, want, 1e-5, f"d{name}")
 
 
+@TRITON_ON_CPU
 def test_forced_triton_path_under_bf16_autocast():
     """As a GPU trains: the projection in bf16, the kernels' sums in fp32, the output in bf16."""
     grid, prefix = (5, 6), 1
@@ -86,6 +88,7 @@ def test_cuda_memory_counts_the_triton_path(grid):
         )
 
 
+@TRITON_ON_CPU
 def test_the_triton_path_keeps_the_projection_and_the_state():
     """What autograd keeps for the kernels' backward, to the byte: the projection (here a leaf, fp32) and the
     fp32 state, the train figure per image (one segment, no convolution)."""

@@ -11,19 +11,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.helpers import assert_rms_close
+from tests.helpers import TRITON_ON_CPU, assert_rms_close
 from visattn.ops.axial import packed_axial_attn
 from visattn.ops.axial.naive import naive_axial_attn
 from visattn.ops.axial.triton import packed_triton_axial_attn, triton_axial_attn, triton_fits
 from visattn.ops.backends import choose_axial_backend
 from visattn.ops.layout import merge_heads, split_qkv
-from visattn.ops.triton_support import HAS_TRITON, triton_runs_on
+from visattn.ops.triton_support import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 
-# CPU tensors reach the kernels only interpreted: tests/conftest.py sets TRITON_INTERPRET=1 where torch sees no GPU
-INTERPRETED_CPU = pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="Triton runs on the GPU here")
-DEVICES = [pytest.param("cpu", marks=INTERPRETED_CPU), pytest.param("cuda", marks=pytest.mark.cuda)]
+DEVICES = [pytest.param("cpu", marks=TRITON_ON_CPU), pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.helpers import assert_rms_close, grads_of
+from tests.helpers import TRITON_ON_CPU, assert_rms_close, cpu_paths, grads_of
 from visattn import ops
 from visattn.layers import get_attention
 from visattn.ops import backends, local
@@ -57,7 +57,7 @@ def test_linear_paths_match_naive(b, heads, grid, p, d, backend):
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS["axial"])
+@pytest.mark.parametrize("backend", cpu_paths("axial"))
 @pytest.mark.parametrize("b,heads,grid,p,d", CASES, ids=IDS)
 def test_axial_paths_match_naive(b, heads, grid, p, d, backend):
     _assert_matches(
@@ -68,7 +68,7 @@ def test_axial_paths_match_naive(b, heads, grid, p, d, backend):
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS["axial"])
+@pytest.mark.parametrize("backend", cpu_paths("axial"))
 @pytest.mark.parametrize("b,heads,grid,p,d", CASES, ids=IDS)
 def test_packed_axial_paths_match_naive(b, heads, grid, p, d, backend):
     def naive(qkv):
@@ -100,7 +100,7 @@ LOCAL_OPS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS["local"])
+@pytest.mark.parametrize("backend", cpu_paths("local"))
 @pytest.mark.parametrize("op", sorted(LOCAL_OPS))
 @pytest.mark.parametrize("b,heads,grid,p,d", CASES, ids=IDS)
 def test_local_paths_match_naive(b, heads, grid, p, d, op, backend):
@@ -128,12 +128,14 @@ def _linear_layer_expected(layer, x, grid, p):
 
 # the packed and triton paths have no q/k norm (the refusals are tested in test_linear_projected.py)
 PROJECTION_PATHS = [
-    (name, norm) for name in BACKENDS["projected_linear"] for norm in (False, True)
-    if not (norm and name in ("packed", "triton"))
+    pytest.param(
+        name, norm, marks=TRITON_ON_CPU if name == "triton" else (), id=f"{name}-{'qk_norm' if norm else 'plain'}"
+    )
+    for name in BACKENDS["projected_linear"] for norm in (False, True) if not (norm and name in ("packed", "triton"))
 ]
 
 
-@pytest.mark.parametrize("backend,qk_norm", PROJECTION_PATHS, ids=[f"{n}-{'qk_norm' if q else 'plain'}" for n, q in PROJECTION_PATHS])
+@pytest.mark.parametrize("backend,qk_norm", PROJECTION_PATHS)
 @pytest.mark.parametrize("b,heads,grid,p,d", CASES, ids=IDS)
 def test_linear_layer_projection_paths_match_naive(b, heads, grid, p, d, backend, qk_norm):
     layer = get_attention("linear")(heads * d, heads, qk_norm=qk_norm, norm_layer=nn.LayerNorm if qk_norm else None)

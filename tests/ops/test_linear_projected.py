@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.helpers import assert_rms_close
+from tests.helpers import TRITON_ON_CPU, assert_rms_close, cpu_paths
 from visattn.ops import projected_linear_attn
 from visattn.ops.backends import BACKENDS
 from visattn.ops.linear import blocked
@@ -63,14 +63,15 @@ def blocks(request, monkeypatch):
 
 # the packed and triton paths have no q/k norm (their refusals are tested below)
 PATHS = [
-    (name, norm) for name in BACKENDS["projected_linear"] for norm in (False, True)
-    if not (norm and name in ("packed", "triton"))
+    pytest.param(
+        name, norm, marks=TRITON_ON_CPU if name == "triton" else (), id=f"{name}-{'qk_norm' if norm else 'plain'}"
+    )
+    for name in BACKENDS["projected_linear"] for norm in (False, True) if not (norm and name in ("packed", "triton"))
 ]
-PATH_IDS = [f"{name}-{'qk_norm' if norm else 'plain'}" for name, norm in PATHS]
 
 
 @pytest.mark.parametrize("kernel", [3, None], ids=["conv3", "no-conv"])
-@pytest.mark.parametrize("backend,qk_norm", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("backend,qk_norm", PATHS)
 @pytest.mark.parametrize("b,heads,grid,p,d", CASES, ids=IDS)
 def test_every_path_matches_the_naive_twin(b, heads, grid, p, d, backend, qk_norm, kernel, blocks):
     """Outputs and the gradients of x, the qkv weight and bias, the convolution's weight and bias and the
@@ -96,7 +97,7 @@ def test_every_path_matches_the_naive_twin(b, heads, grid, p, d, backend, qk_nor
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS["projected_linear"])
+@pytest.mark.parametrize("backend", cpu_paths("projected_linear"))
 def test_every_path_without_a_qkv_bias_and_with_the_relu_map(backend):
     x, weight, _, conv_weight, conv_bias = _inputs(2, 2, (3, 4), 1, 8, kernel=5, bias=False)
 

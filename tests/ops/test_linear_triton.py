@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import assert_rms_close
+from tests.helpers import TRITON_ON_CPU, assert_rms_close
 from visattn.ops.layout import image_to_tokens, merge_heads, split_prefix, split_qkv, tokens_to_image
 from visattn.ops.linear.naive import naive_linear_attn
 from visattn.ops.linear.plain import plain_linear_attn
@@ -25,7 +25,7 @@ from visattn.ops.linear.triton import triton_linear_attn, triton_refusal
 from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
 from visattn.ops.triton_support import HAS_TRITON
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+DEVICES = [pytest.param("cpu", marks=TRITON_ON_CPU), pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @dataclass(frozen=True)
@@ -210,6 +210,7 @@ def test_fullgraph_compile_matches_eager(device):
         assert_rms_close(got, expected, 1e-6, "grad")
 
 
+@TRITON_ON_CPU  # the device is checked first
 def test_bad_inputs_raise():
     qkv = torch.randn(1, 7, 3 * 32)
     weight = torch.randn(32, 1, 3, 3)
@@ -249,6 +250,7 @@ REFUSED = [
 ]
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="without the triton package every call is refused")
 def test_chosen_on_cuda_where_it_applies_and_the_reason_logged_where_not(caplog, monkeypatch):
     """The linear layer's op takes the kernels on CUDA when nothing refuses them, never on the CPU unless
     forced; a refusal is logged once and the other paths' rules apply."""

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import assert_rms_close
+from tests.helpers import TRITON_ON_CPU, assert_rms_close
 from visattn import ops
 from visattn.layers import get_attention
 from visattn.ops import backends
@@ -26,12 +26,12 @@ from visattn.ops.local.triton import TileConfig
 from visattn.ops.longformer import naive_longformer_attn
 from visattn.ops.neighborhood import naive_neighborhood_attn
 from visattn.ops.sparse import naive_sparse_attn
-from visattn.ops.triton_support import HAS_TRITON, INTERPRETED
+from visattn.ops.triton_support import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 
 DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="Triton runs on the CPU only interpreted")),
+    pytest.param("cpu", marks=TRITON_ON_CPU),
     pytest.param("cuda", marks=pytest.mark.cuda),
 ]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -213,6 +213,7 @@ def test_triton_is_chosen_on_cuda_without_dropout():
         assert backends.choose_local_backend(cpu, needs_grad, 0.0, False, dense_cheaper=False) != "triton"
 
 
+@TRITON_ON_CPU  # the batch x heads check comes after the device's
 def test_triton_refuses_dropout_and_too_many_images_and_heads():
     q, k, v = (torch.randn(1, 2, 5 * 6, 16) for _ in range(3))
     with pytest.raises(ValueError, match="backend 'triton' has no dropout, got dropout_p=0.1"):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import assert_rms_close, grads_of
+from tests.helpers import assert_rms_close, cpu_paths, grads_of
 from visattn.ops import neighborhood_attn, sparse_attn
-from visattn.ops.backends import BACKENDS
 from visattn.ops.neighborhood import naive_neighborhood_attn
 from visattn.ops.sparse import naive_sparse_attn
 
@@ -22,7 +21,7 @@ OPS = {
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("backend", BACKENDS["local"])
+@pytest.mark.parametrize("backend", cpu_paths("local"))
 @pytest.mark.parametrize("grid,p", [((5, 7), 2), ((7, 5), 1), ((3, 11), 3)], ids=["grid5x7-p2", "grid7x5-p1", "grid3x11-p3"])
 def test_prefix_tokens_on_odd_grids_match_the_naive_twin(op, grid, p, backend):
     """Outputs and, on the differentiable paths, gradients against the naive twin; and the twin itself: prefix

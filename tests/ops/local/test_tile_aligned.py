@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from tests.helpers import assert_rms_close, grads_of
+from tests.helpers import TRITON_ON_CPU, assert_rms_close, grads_of
 from visattn.layers.registry import attention_options, get_attention
 from visattn.ops import backends, neighborhood_attn, sparse_attn
 from visattn.ops.local import flex as local_flex
@@ -98,12 +98,14 @@ def test_a_tile_window_holds_each_querys_neighbourhood(grid, k, tile):
 # every path on three grids, but the Triton kernels (interpreted on the CPU: tens of seconds a case) on the first
 PATHS = [(case, case_id, backend) for case, case_id in zip(CASES[:3], CASE_IDS) for backend in backends.BACKENDS["local"]
          if backend != "triton" or case == CASES[0]]
-PATH_CASES = [(*case, backend) for case, _, backend in PATHS]
-PATH_IDS = [f"{case_id}-{backend}" for _, case_id, backend in PATHS]
+PATH_CASES = [
+    pytest.param(*case, backend, marks=TRITON_ON_CPU if backend == "triton" else (), id=f"{case_id}-{backend}")
+    for case, case_id, backend in PATHS
+]
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("grid,p,tile,backend", PATH_CASES, ids=PATH_IDS)
+@pytest.mark.parametrize("grid,p,tile,backend", PATH_CASES)
 def test_every_path_matches_the_naive_twin(op, grid, p, tile, backend):
     """Outputs, and on the differentiable paths gradients, against the explicit-mask twin. chunked: inference
     only; flex: FlexAttention has no backward on the CPU; triton: sparse's windows only."""
