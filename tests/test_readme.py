@@ -1,5 +1,6 @@
 """The README's and the documentation pages' import paths, module names, repository paths and relative links
-resolve, and every command of the README's quick starts starts."""
+resolve, every command of the README's quick starts starts, and every Python block of the README and the pages
+runs."""
 from __future__ import annotations
 
 import importlib
@@ -133,16 +134,16 @@ STARTS = {
         "{accelerate} launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no train.py "
         "--config configs/imagefolder.yaml --data-dir {images} --img-size 64 --depth 1 --mixed-precision no "
         f"{SHORT_TRAINING} --run-dir {{tmp}}/imagefolder",
-    "python train.py --model vit_small_patch16_224 --pretrained --attn linear --img-size 448 "
-    "--dataset imagefolder --data-dir /tmp/digits_png":
-        "{python} train.py --model vit_small_patch16_224 --pretrained --attn linear --img-size 32 "
-        f"--dataset imagefolder --data-dir {{images}} {SHORT_TRAINING} --run-dir {{tmp}}/finetune",
-    "python train.py --attn softmax --run-dir runs/digits-softmax # a trained softmax model, then:":
+    "python train.py --attn softmax --run-dir runs/digits-softmax # the weights to start from":
         f"{{python}} train.py --attn softmax {SHORT_TRAINING} --run-dir {{tmp}}/digits-softmax",
-    # the short digits run stands in for the softmax parent (the same qkv and proj)
-    "python train.py --config configs/transfer.yaml # attention transfer, then fine-tune":
-        "{python} train.py --config configs/transfer.yaml --initial-checkpoint {run} --transfer-epochs 1 "
-        f"{SHORT_TRAINING} --run-dir {{tmp}}/transfer",
+    # the short digits run stands in for the softmax run (the same qkv and proj)
+    "python train.py --config configs/finetune-digits.yaml # linear attention at 32 px":
+        f"{{python}} train.py --config configs/finetune-digits.yaml --initial-checkpoint {{run}} {SHORT_TRAINING} "
+        "--run-dir {tmp}/finetune-digits",
+    "accelerate launch train.py --config configs/finetune.yaml --data-dir /tmp/digits_png --pretrained "
+    "# needs the hub or its cache":
+        "{python} train.py --config configs/finetune.yaml --data-dir {images} --pretrained --img-size 32 "
+        f"--mixed-precision no {SHORT_TRAINING} --run-dir {{tmp}}/finetune",
     "visattn-predict runs/digits-axial /tmp/digits_png/3 --top-k 3": "{python} -m visattn.predict {run} {images}/3 --top-k 3",
     "visattn-predict runs/digits-axial /tmp/digits_png/3 --tile 8 --tile-overlap 2":
         "{python} -m visattn.predict {run} {images}/3 --tile 8 --tile-overlap 2",
@@ -161,7 +162,7 @@ STARTS = {
 }
 # Refusals that are the command starting correctly on this machine: no hub for --pretrained, no GPU for cuda.
 ACCEPTED_REFUSALS = {
-    "python train.py --model vit_small_patch16_224": "--initial-checkpoint PATH",
+    "accelerate launch train.py --config configs/finetune.yaml": "--initial-checkpoint PATH",
     "visattn-bench --device cuda": "--device must be cpu or an available cuda device",
 }
 
@@ -223,6 +224,70 @@ def test_quick_start_python_runs(index, trained):
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The Python blocks of the documentation pages, each run as written, with stand-ins for the reader's files: the short
+# runs below for runs/digits-axial and runs/digits-softmax, the digits as image files for digits_png, a weights file
+# for model.safetensors, and fresh weights for timm's (which need the Hugging Face hub). A block added to a page
+# without an entry here fails test_every_page_block_is_checked.
+
+PAGE_BLOCKS = {
+    f"{page.name}:{index}": block
+    for page in sorted((REPO / "docs").glob("*.md"))
+    for index, block in enumerate(re.findall(r"```python\n(.*?)```", TEXTS[page], flags=re.S))
+}
+# For each block: (text of the block, what stands in for it), the stand-in formatted with the fixtures' paths.
+STAND_INS = {
+    "attention-types.md:0": [],
+    "backends.md:0": [],
+    "backends.md:1": [],
+    "checkpoints.md:0": [("runs/digits-axial", "{run}")],
+    "fine-tuning.md:0": [("runs/digits-softmax", "{softmax_run}")],
+    "prediction.md:0": [("runs/digits-axial", "{run}"), ('["digits_png"]', '["{images}"]')],
+    "prediction.md:1": [],
+    "timm.md:0": [],
+    "timm.md:1": [],
+    "timm.md:2": [('file="model.safetensors"', 'file="{weights}"')],
+    "timm.md:3": [],
+    "timm.md:4": [('"vit_small_patch16_224", pretrained=True', '"vit_small_patch16_224", pretrained=False')],
+}
+
+
+def test_every_page_block_is_checked():
+    assert len(PAGE_BLOCKS) >= 10
+    assert sorted(PAGE_BLOCKS) == sorted(STAND_INS)
+    for name, stand_ins in STAND_INS.items():
+        for text, _ in stand_ins:
+            assert text in PAGE_BLOCKS[name], f"{name} no longer holds {text!r}"
+
+
+@pytest.fixture(scope="module")
+def page_files(trained):
+    """What the pages' blocks read: a short softmax run and a weights file of a registered model."""
+    softmax_run = trained["tmp"] / "page-softmax"
+    result = subprocess.run(
+        [sys.executable, "train.py", "--attn", "softmax", *shlex.split(SHORT_TRAINING), "--run-dir", str(softmax_run)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights = trained["tmp"] / "model.safetensors"
+    code = ("import timm, visattn; from safetensors.torch import save_file; "
+            "model = timm.create_model('visattn_vit_small_patch16', attn='axial', num_classes=10); "
+            f"save_file(model.state_dict(), {str(weights)!r})")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, timeout=600)
+    return {**trained, "softmax_run": softmax_run, "weights": weights}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(STAND_INS))
+def test_page_python_block_runs(name, page_files):
+    code = PAGE_BLOCKS[name]
+    for text, stand_in in STAND_INS[name]:
+        code = code.replace(text, stand_in.format(**page_files))
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, f"{name}:\n{code}\n{result.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize(
