@@ -28,7 +28,7 @@ from visattn.layers import ATTENTION_LAYERS, GridAttention, attention_options
 from visattn.layers.cost import MixingMemory, TokenLayout
 from visattn.layers.local import LocalWindowAttention
 from visattn.models import auto
-from visattn.ops.axial import axial_masks
+from visattn.ops.axial.naive import axial_masks
 from visattn.ops.backends import force_backend
 from visattn.ops.longformer import longformer_mask
 from visattn.ops.neighborhood import neighborhood_mask

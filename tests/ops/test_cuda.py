@@ -2,8 +2,9 @@
 of q, k and v (outputs alone for a path taken only without autograd), in fp32 (batch 1) and bf16
 (batch 3), on an odd, non-square grid with prefix tokens.
 
-The twin runs in fp64 on the same GPU, fed the same rounded inputs. The local ops' FlexAttention kernel
-is compiled per shape, so it runs in bf16 here and in both dtypes in ``tests/ops/local/test_flex.py``.
+The twin runs in fp64 on the same GPU, fed the same rounded inputs. The local ops' chosen path, their
+Triton kernels (FlexAttention's kernel where Triton is missing, compiled per shape), runs in bf16 here and
+in every dtype in ``tests/ops/test_local_triton.py`` (FlexAttention's in ``tests/ops/local/test_flex.py``).
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def _cases() -> list[OpCase]:
     for name, fast, naive in LOCAL:
         for backend in ("gathered", "dense"):
             cases.append(OpCase(f"{name}-{backend}", fast(backend), naive))
-        # chosen on a GPU under autograd: FlexAttention (compiled per shape, hence one dtype here)
+        # chosen on a GPU under autograd: the Triton kernels, or FlexAttention (compiled per shape, hence one dtype here)
         cases.append(OpCase(f"{name}-chosen", fast(None), naive, dtypes=(torch.bfloat16,)))
     return cases
 

@@ -2,6 +2,4 @@
 :func:`packed_axial_attn`), ``hops`` is the two-hop formulation on SDPA, ``cpu_kernels`` the CPU's
 fused kernels with a hand-written backward, ``naive`` the twin the tests compare with."""
 from visattn.ops.axial.functional import axial_attn, packed_axial_attn
-from visattn.ops.axial.naive import axial_masks, naive_axial_attn
-
-__all__ = ["axial_attn", "axial_masks", "naive_axial_attn", "packed_axial_attn"]
+__all__ = ["axial_attn", "packed_axial_attn"]

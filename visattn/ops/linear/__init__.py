@@ -14,8 +14,6 @@ from visattn.ops.linear.decay import decayed_linear_attn
 from visattn.ops.linear.feature_maps import FEATURE_MAPS
 from visattn.ops.linear.functional import linear_attn
 from visattn.ops.linear.fused import fused_qkv_linear_attn
-from visattn.ops.linear.naive import naive_linear_attn
-from visattn.ops.linear.naive_decay import naive_decayed_linear_attn
 from visattn.ops.linear.projected import projected_linear_attn
 from visattn.ops.linear.recurrent import linear_attn_step
 
