@@ -33,3 +33,13 @@ def check_triton_runs_on(op: str, device: torch.device) -> None:
         f"{op}: the 'triton' backend runs on CUDA tensors (or on the CPU with TRITON_INTERPRET=1 set before "
         f"visattn is imported), got {device.type} tensors"
     )
+
+
+def register_triton_op(name: str, impl, fake):
+    """The torch.library op ``visattn::<name>`` running ``impl``: a Triton op, whose kernels torch.compile
+    captures, or under the interpreter (whose kernels cannot be traced) an opaque custom op with ``fake``."""
+    if INTERPRETED:
+        op = torch.library.custom_op(f"visattn::{name}", impl, mutates_args=())
+        op.register_fake(fake)
+        return op
+    return torch.library.triton_op(f"visattn::{name}", mutates_args=())(impl)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from visattn.ops.layout import split_heads, split_qkv, token_major_empty
-from visattn.ops.triton_support import HAS_TRITON, INTERPRETED, check_triton_runs_on
+from visattn.ops.triton_support import HAS_TRITON, INTERPRETED, check_triton_runs_on, register_triton_op
 
 if HAS_TRITON:
     import triton
@@ -195,7 +195,7 @@ if HAS_TRITON:
         _store(out_ptr + b * so_b + h * so_h, acc / total[:, None], offs_p, mask_p, offs_d, mask_d, so_n, so_d)
         tl.store(lse_pre_ptr + bh * p + offs_p, m + tl.log2(total), mask=mask_p)
 
-    @triton.jit
+    @triton.jit  # kept whole past 60 lines: a kernel reads as one program
     def _line_backward(
         q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
         part_dk_ptr, part_dv_ptr, grad_ptr, lse_pre_ptr, part_dq_ptr,
@@ -573,16 +573,6 @@ def _packed_grads(
     return grad_qkv
 
 
-def _register(name: str, impl, fake):
-    """The torch.library op ``visattn::<name>``: a Triton op, whose kernels torch.compile captures, or
-    under the interpreter (whose kernels cannot be traced) an opaque custom op with its own fake."""
-    if INTERPRETED:
-        op = torch.library.custom_op(f"visattn::{name}", impl, mutates_args=())
-        op.register_fake(fake)
-        return op
-    return torch.library.triton_op(f"visattn::{name}", mutates_args=())(impl)
-
-
 def _setup_context(ctx, inputs: tuple, output: Tensors5) -> None:
     """Keeps the input tensors, the output and the saved buffers; only the output carries a gradient."""
     ctx.mark_non_differentiable(*output[1:])
@@ -600,10 +590,10 @@ def _packed_backward(ctx, grad: torch.Tensor, *_) -> tuple:
 
 
 if HAS_TRITON:
-    _axial_op = _register("axial_attn_triton", _axial, _axial_outputs)
-    _axial_grads_op = _register("axial_attn_triton_backward", _axial_grads, _axial_grads_outputs)
-    _packed_op = _register("packed_axial_attn_triton", _packed, _packed_outputs)
-    _packed_grads_op = _register("packed_axial_attn_triton_backward", _packed_grads, _packed_grads_outputs)
+    _axial_op = register_triton_op("axial_attn_triton", _axial, _axial_outputs)
+    _axial_grads_op = register_triton_op("axial_attn_triton_backward", _axial_grads, _axial_grads_outputs)
+    _packed_op = register_triton_op("packed_axial_attn_triton", _packed, _packed_outputs)
+    _packed_grads_op = register_triton_op("packed_axial_attn_triton_backward", _packed_grads, _packed_grads_outputs)
     _axial_op.register_autograd(_axial_backward, setup_context=_setup_context)
     _packed_op.register_autograd(_packed_backward, setup_context=_setup_context)
 

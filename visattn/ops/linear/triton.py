@@ -36,11 +36,11 @@ import torch
 from visattn.ops.checks import check_grid, check_packed_qkv
 from visattn.ops.layout import split_qkv
 from visattn.ops.rope import check_rope_table
-from visattn.ops.triton_support import HAS_TRITON, INTERPRETED, check_triton_runs_on
+from visattn.ops.triton_support import HAS_TRITON, INTERPRETED, check_triton_runs_on, register_triton_op
 
 if HAS_TRITON:
     import triton
-    from torch.library import triton_op, wrap_triton
+    from torch.library import wrap_triton
 
     from visattn.ops.linear import triton_kernels as kernels
 
@@ -254,16 +254,6 @@ def _backward(
     return grad_qkv, grad_conv
 
 
-def _register(name: str, impl, fake):
-    """A torch.library op ``visattn::<name>``: a Triton op, whose kernels torch.compile captures, or under
-    the interpreter (whose kernels cannot be traced) an opaque custom op with its own fake."""
-    if INTERPRETED:
-        op = torch.library.custom_op(f"visattn::{name}", impl, mutates_args=())
-        op.register_fake(fake)
-        return op
-    return triton_op(f"visattn::{name}", mutates_args=())(impl)
-
-
 def _setup_context(ctx, inputs, output) -> None:
     qkv, num_heads, feature_map, eps, conv_weight, conv_bias, num_prefix_tokens, grid_h, grid_w, rope = inputs
     ctx.save_for_backward(qkv, output[1], conv_weight, rope)
@@ -283,10 +273,10 @@ def _autograd_backward(ctx, grad_out, _grad_state):
 
 
 if HAS_TRITON:
-    _forward_op = _register(
+    _forward_op = register_triton_op(
         "triton_linear_attn", _forward, lambda qkv, num_heads, *_: _forward_outputs(qkv, num_heads)
     )
-    _backward_op = _register(
+    _backward_op = register_triton_op(
         "triton_linear_attn_backward", _backward,
         lambda grad_out, qkv, state, weight, *_: _backward_outputs(qkv, weight),
     )

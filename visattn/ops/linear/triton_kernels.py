@@ -250,7 +250,7 @@ def grad_query_kernel(
     _store_state(partial, grad_s, grad_z, cols, cols, d, square)
 
 
-@triton.jit
+@triton.jit  # kept whole past 60 lines: a kernel reads as one program
 def grad_key_value_kernel(
     qkv_ptr, grad_state_ptr, rope_ptr, weight_ptr, grad_out_ptr, grad_qkv_ptr, conv_partial_ptr,
     N, C, d, H, stride_b, stride_n, stride_c, stride_rh, stride_rn, stride_rc,

@@ -30,11 +30,11 @@ import torch
 
 from visattn.ops.layout import token_major_empty
 from visattn.ops.local.plans import AxisPlan, WindowRule
-from visattn.ops.triton_support import HAS_TRITON, INTERPRETED, check_triton_runs_on
+from visattn.ops.triton_support import HAS_TRITON, INTERPRETED, check_triton_runs_on, register_triton_op
 
 if HAS_TRITON:
     import triton
-    from torch.library import triton_op, wrap_triton
+    from torch.library import wrap_triton
 
     from visattn.ops.local import triton_kernels as kernels
 
@@ -270,16 +270,6 @@ def _prefix_key_grads(grad, q, k, v, lse, delta, dk, dv, parts, num_prefix_token
     dk[:, :, :p], dv[:, :, :p] = dk_p.to(dk.dtype), dv_p.to(dv.dtype)
 
 
-def _register(name: str, impl, fake):
-    """A torch.library op ``visattn::<name>``: a Triton op, whose kernels torch.compile captures, or under
-    the interpreter (whose kernels cannot be traced) an opaque custom op with its own fake."""
-    if INTERPRETED:
-        op = torch.library.custom_op(f"visattn::{name}", impl, mutates_args=())
-        op.register_fake(fake)
-        return op
-    return triton_op(f"visattn::{name}", mutates_args=())(impl)
-
-
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, *arguments = inputs
     out, lse = output
@@ -295,8 +285,8 @@ def _autograd_backward(ctx, grad_out, _grad_lse):
 
 
 if HAS_TRITON:
-    _forward_op = _register("local_window_attn", _forward, lambda q, k, v, *_: _forward_outputs(q, v))
-    _backward_op = _register(
+    _forward_op = register_triton_op("local_window_attn", _forward, lambda q, k, v, *_: _forward_outputs(q, v))
+    _backward_op = register_triton_op(
         "local_window_attn_backward", _backward, lambda grad, q, k, v, *_: _backward_outputs(q, v)
     )
     _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
