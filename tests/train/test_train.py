@@ -414,8 +414,8 @@ def test_best_weights_are_chosen_on_validation_and_the_test_split_is_evaluated_o
 def test_a_dataset_without_validation_chooses_on_test_and_says_so(tmp_path, monkeypatch, capsys):
     original_load = data.load_splits
 
-    def without_validation(config, download=False):
-        return dataclasses.replace(original_load(config, download), val=None)
+    def without_validation(config, download=False, progress=False):
+        return dataclasses.replace(original_load(config, download, progress), val=None)
 
     monkeypatch.setattr(build, "load_splits", without_validation)
     run_dir = tmp_path / "run"
