@@ -153,8 +153,8 @@ STARTS = {
         "--dataset cluttered-digits --img-size 64 --model vit_small_patch16_224 --attn linear --depth 1 --num-workers 2 "
         f"--dataset-kwargs train_size=64 val_size=16 test_size=16 --measure-loader 2 {SHORT_TRAINING} --run-dir {{tmp}}/gpu1024",
     "make device-check": "make -n device-check",
-    "visattn-bench --attn linear axial neighborhood --sizes 2048 --modes infer --out bench_out/cpu2048":
-        "{python} -m visattn.bench --attn linear axial neighborhood --sizes 2048 --modes infer --out {tmp}/cpu2048 "
+    "visattn-bench --device cpu --attn linear axial neighborhood --sizes 2048 --modes infer --out bench_out/cpu2048":
+        "{python} -m visattn.bench --device cpu --attn linear axial neighborhood --sizes 2048 --modes infer --out {tmp}/cpu2048 "
         "--sizes 64 --model-kwargs depth=1 --warmup 0 --min-iters 1 --min-seconds 0 --settle 0",
     "visattn-bench --device cuda --dtype bf16 --sizes 1024 2048 --batch-size 8 --out bench_out/gpu":
         "{python} -m visattn.bench --device cuda --dtype bf16 --sizes 1024 2048 --batch-size 8 --out {tmp}/gpu"
