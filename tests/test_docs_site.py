@@ -117,7 +117,7 @@ def test_the_readmes_results_tables_are_the_files_tables():
 def test_the_readmes_main_job_figures_are_its_summary_files():
     match = re.search(r"test accuracy (\d+\.\d+)% \(seed 0: (\d+) of the (\d+) test digits\), (\d+) to\s+(\d+) s", README)
     assert match, "the README's main job sentence"
-    summaries = [json.loads(path.read_text()) for path in sorted((REPO / "results" / "2026-11-27-main-job").glob("*/summary.json"))]
+    summaries = [json.loads(path.read_text()) for path in sorted((REPO / "results" / "2026-11-28-main-job").glob("*/summary.json"))]
     assert len(summaries) == 2
     for summary in summaries:
         assert f"{100 * summary['test_acc']:.2f}" == match.group(1)
