@@ -23,6 +23,9 @@ TRITON_ON_CPU = pytest.mark.skipif(
     reason="Triton kernels take CPU tensors only interpreted (TRITON_INTERPRET=1, set where torch sees no GPU)",
 )
 
+# The devices a kernel test runs on: the CPU interpreted, and a GPU compiled (skipped without one).
+TRITON_DEVICES = [pytest.param("cpu", marks=TRITON_ON_CPU), pytest.param("cuda", marks=pytest.mark.cuda)]
+
 
 def cpu_paths(op: str) -> list:
     """``BACKENDS[op]`` as test parameters for CPU tensors: the ``"triton"`` path marked :data:`TRITON_ON_CPU`."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.helpers import TRITON_ON_CPU, assert_rms_close
+from tests.helpers import TRITON_DEVICES, assert_rms_close
 from visattn.ops.axial import packed_axial_attn
 from visattn.ops.axial.naive import naive_axial_attn
 from visattn.ops.axial.triton import packed_triton_axial_attn, triton_axial_attn, triton_fits
@@ -21,7 +21,7 @@ from visattn.ops.triton_support import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 
-DEVICES = [pytest.param("cpu", marks=TRITON_ON_CPU), pytest.param("cuda", marks=pytest.mark.cuda)]
+DEVICES = TRITON_DEVICES
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import TRITON_ON_CPU, assert_rms_close
+from tests.helpers import TRITON_DEVICES, TRITON_ON_CPU, assert_rms_close
 from visattn.ops.layout import image_to_tokens, merge_heads, split_prefix, split_qkv, tokens_to_image
 from visattn.ops.linear.naive import naive_linear_attn
 from visattn.ops.linear.plain import plain_linear_attn
@@ -25,7 +25,7 @@ from visattn.ops.linear.triton import triton_linear_attn, triton_refusal
 from visattn.ops.rope import axial_rope, init_mixed_rope_freqs, mixed_rope
 from visattn.ops.triton_support import HAS_TRITON
 
-DEVICES = [pytest.param("cpu", marks=TRITON_ON_CPU), pytest.param("cuda", marks=pytest.mark.cuda)]
+DEVICES = TRITON_DEVICES
 
 
 @dataclass(frozen=True)

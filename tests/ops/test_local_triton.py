@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import TRITON_ON_CPU, assert_rms_close
+from tests.helpers import TRITON_DEVICES, TRITON_ON_CPU, assert_rms_close
 from visattn import ops
 from visattn.layers import get_attention
 from visattn.ops import backends
@@ -30,10 +30,7 @@ from visattn.ops.triton_support import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 
-DEVICES = [
-    pytest.param("cpu", marks=TRITON_ON_CPU),
-    pytest.param("cuda", marks=pytest.mark.cuda),
-]
+DEVICES = TRITON_DEVICES
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Outputs 4 u, gradients 8 u (u: the dtype's unit roundoff): the twin sees the same rounded inputs and
 # cotangent, the kernels sum in fp32, and a 16-bit output passes through two roundings (the weights for
