@@ -474,7 +474,7 @@ def test_axial_flops_count_the_pairs_of_both_hops():
 def test_linformer_and_linear_flops_by_hand():
     layout, h, d = TokenLayout((4, 6), 1), 2, 8
     n, m, c = 25, 24, 16
-    assert mixing_flops("linformer", layout, h, d, {"k": 5}) == 2 * c * 5 * m * 2 + 4 * c * n * (1 + 5)
+    assert mixing_flops("linformer", layout, h, d, {"k": 5}) == 2 * c * (1 + 5) * n * 2 + 4 * c * n * (1 + 5)
     # the state phi(K)^T [V | 1] and phi(Q) [S | z]: (d, d + 1) products per token and head, each
     assert mixing_flops("linear", layout, h, d, {"dwconv_kernel": None}) == 2 * n * c * (d + 1) * 2
     assert mixing_flops("linear", layout, h, d, {"dwconv_kernel": 3}) == 4 * c * n * (d + 1) + 2 * m * c * 9

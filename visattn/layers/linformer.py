@@ -97,9 +97,13 @@ class LinformerAttention(GridAttention):
 
     @classmethod
     def mixing_flops(cls, case: CostCase) -> int:
-        """``4 C (k M + N (P + k))``: K and V projected to k tokens, then N x (P + k) attention."""
-        layout, k = case.layout, case.options["k"]
-        return 4 * case.dim * (k * layout.num_patches + layout.num_tokens * (layout.num_prefix_tokens + k))
+        """``8 C N (P + k)``: K and V projected to P + k tokens, then N x (P + k) attention. The projection
+        is one (P + k, N) matmul over all N tokens whose P identity rows carry the prefix tokens through
+        (:func:`visattn.ops.linformer.linformer_attn`, :func:`visattn.ops.linformer.project_keys_values`),
+        so its ``4 C (P + k) N`` counts those rows' products too, ``4 C P (N + k)`` beyond the ``4 C k M`` of
+        mixing the patches: about P / k of the projection, what a FLOP counter sees."""
+        rows = case.layout.num_prefix_tokens + case.options["k"]  # P + k keys and values
+        return 8 * case.dim * case.layout.num_tokens * rows
 
     @classmethod
     def qkv_flops(cls, case: CostCase) -> int:
@@ -112,11 +116,13 @@ class LinformerAttention(GridAttention):
 
     @classmethod
     def mixing_memory(cls, case: CostCase) -> MixingMemory:
-        """Projected keys and values (k x C each) and the output; the backward keeps q, k, v. Each block
-        resamples its two (k, H W) projections, shared by the batch; the backward keeps them."""
+        """Projected keys and values ((P + k) x C each, the prefix tokens' among them) and the output; the
+        backward keeps q, k, v. Each block resamples its two (k, H W) projections, shared by the batch, and
+        runs them with P identity rows for the prefix tokens, (P + k) x N each; the backward keeps those."""
         k, n, c, act_bytes = case.options["k"], case.layout.num_tokens, case.dim, case.act_bytes
+        rows = case.layout.num_prefix_tokens + k  # P + k keys and values
         return MixingMemory(
-            infer=(n * c + 4 * k * c) * act_bytes,
-            train=(4 * n * c + 4 * k * c) * act_bytes,
-            shared=2 * k * case.layout.num_patches * 4,
+            infer=(n * c + 4 * rows * c) * act_bytes,
+            train=(4 * n * c + 4 * rows * c) * act_bytes,
+            shared=2 * rows * n * 4,
         )

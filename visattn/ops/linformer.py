@@ -5,6 +5,10 @@ with E, F of shape (k, H * W), shared across batch and heads. Every query (patch
 to the P prefix keys plus the k projected keys. Cost per head: O(k H W d) for the projections plus
 O(N (P + k) d) for the attention: linear in N for a fixed k.
 
+The prefix keys and values pass through the projection unchanged: ``E`` runs as the block-diagonal
+``[[I_P, 0], [0, E]]`` of shape (P + k, P + H * W) (:func:`_with_prefix_rows`), so the P + k keys
+of all N tokens are one matmul and no activation is sliced or concatenated.
+
 The projections are learned on a reference grid as (k, Hr, Wr) and resampled in 2D to the live grid
 (:func:`resample_projection`), so one layer serves any image size. :func:`area_pooling_projection` is
 their initial value: each projected token averages one block of the grid.
@@ -39,6 +43,21 @@ def _check_projections(
         )
 
 
+def _with_prefix_rows(proj: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+    """The projection over all N tokens, ``[[I_P, 0], [0, proj]]``: its first P rows copy the prefix tokens,
+    the other k mix the patches. Built per forward from the parameters: (P + k) x N values, tiny next to
+    the (B, heads, N, d) activations it multiplies.
+
+    Args:
+        proj: (k, H * W).
+    Returns:
+        (P + k, P + H * W) in proj's dtype and device; ``proj`` itself when P = 0.
+    """
+    if num_prefix_tokens == 0:
+        return proj
+    return torch.block_diag(torch.eye(num_prefix_tokens, dtype=proj.dtype, device=proj.device), proj)
+
+
 def linformer_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -65,11 +84,8 @@ def linformer_attn(
     check_qkv(q, k, v, "linformer_attn")
     check_dropout(dropout_p, "linformer_attn")
     _check_projections(q, proj_k, proj_v, num_prefix_tokens, "linformer_attn")
-    p = num_prefix_tokens
-    k_proj = proj_k.to(k.dtype) @ k[:, :, p:]  # (k, HW) @ (B, heads, HW, d) -> (B, heads, k, d)
-    v_proj = proj_v.to(v.dtype) @ v[:, :, p:]
-    keys = torch.cat([k[:, :, :p], k_proj], dim=2)  # (B, heads, P + k, d)
-    values = torch.cat([v[:, :, :p], v_proj], dim=2)
+    keys = _with_prefix_rows(proj_k.to(k.dtype), num_prefix_tokens) @ k  # (P + k, N) @ (B, heads, N, d)
+    values = _with_prefix_rows(proj_v.to(v.dtype), num_prefix_tokens) @ v  # -> (B, heads, P + k, d)
     return F.scaled_dot_product_attention(q, keys, values, dropout_p=dropout_p, scale=scale)
 
 
@@ -96,19 +112,16 @@ def project_keys_values(
         keys, values: (B, P + k, D) each, the prefix tokens first.
     """
     _check_projections(x.unsqueeze(1), proj_k, proj_v, num_prefix_tokens, "project_keys_values")
-    p = num_prefix_tokens
     dim = kv_weight.shape[0] // 2
     out = []
     for proj, weight, bias in (
         (proj_k, kv_weight[:dim], None if kv_bias is None else kv_bias[:dim]),
         (proj_v, kv_weight[dim:], None if kv_bias is None else kv_bias[dim:]),
     ):
-        proj = proj.to(x.dtype)
-        tokens = torch.cat([x[:, :p], proj @ x[:, p:]], dim=1)  # (B, P + k, C)
-        projected = F.linear(tokens, weight)
-        if bias is not None:  # a prefix token carries the bias once, a projected token sum(E_j) times
-            weight_sum = torch.cat([proj.new_ones(p), proj.sum(dim=1)])  # (P + k,)
-            projected = projected + weight_sum[:, None] * bias
+        proj = _with_prefix_rows(proj.to(x.dtype), num_prefix_tokens)  # (P + k, N)
+        projected = F.linear(proj @ x, weight)  # (P + k, N) @ (B, N, C) -> (B, P + k, C) -> (B, P + k, D)
+        if bias is not None:  # row j carries the bias sum_t E'_jt times: a prefix token once
+            projected = projected + proj.sum(dim=1)[:, None] * bias  # (P + k, 1) * (D,)
         out.append(projected)
     return out[0], out[1]
 
