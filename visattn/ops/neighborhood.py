@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops.checks import check_dropout, check_grid, check_positive_int, check_qkv
+from visattn.ops.checks import check_dropout, check_positive_int, check_qkv
 from visattn.ops.local import (
     ALIGNED_TILE,
     AxisPlan,
+    check_grid_in_order,
     check_tile_alignment,
     naive_masked_attn,
     neighborhood_axis,
@@ -48,6 +49,7 @@ def neighborhood_attn(
     dropout_p: float = 0.0,
     scale: float | None = None,
     backend: str | None = None,
+    token_order: str = "raster",
 ) -> torch.Tensor:
     """Softmax attention of each patch query over its k x k grid neighbourhood (or, ``tile_aligned``, over
     its tile's window of whole tiles); of each prefix query over all tokens.
@@ -65,18 +67,21 @@ def neighborhood_attn(
         scale: score scale, default d^-0.5.
         backend: the tiled engine's path, ``"chunked"``, ``"gathered"``, ``"dense"``, ``"flex"`` or ``"triton"`` (see
             :func:`visattn.ops.local.tiled_local_attn`); None: chosen.
+        token_order: ``"raster"``, or ``"tile"``: q, k, v and the output (B, heads, S, d) in FlexAttention's
+            tile order (:func:`visattn.ops.local.flex.flex_local_attn`), on the ``"flex"`` path.
     Returns:
-        (B, heads, N, d)
+        (B, heads, N, d), or (B, heads, S, d) in tile order
     """
     check_qkv(q, k, v, "neighborhood_attn")
     check_dropout(dropout_p, "neighborhood_attn")
     check_positive_int(kernel_size, "kernel_size", "neighborhood_attn", odd=True)
     check_positive_int(tile_size, "tile_size", "neighborhood_attn")
     tile = check_tile_alignment(tile_aligned, aligned_tile, "neighborhood_attn")
-    H, W = check_grid(grid, q.shape[2], num_prefix_tokens, "neighborhood_attn")
+    H, W = check_grid_in_order(grid, q.shape[2], num_prefix_tokens, token_order, "neighborhood_attn")
     rows, cols = neighborhood_plans((H, W), kernel_size, tile_size, tile, q.device)
     return tiled_local_attn(
-        q, k, v, rows, cols, num_prefix_tokens=num_prefix_tokens, dropout_p=dropout_p, scale=scale, backend=backend
+        q, k, v, rows, cols, num_prefix_tokens=num_prefix_tokens, dropout_p=dropout_p, scale=scale, backend=backend,
+        token_order=token_order,
     )
 
 

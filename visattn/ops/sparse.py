@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from visattn.ops.checks import check_dropout, check_grid, check_nonnegative_int, check_positive_int, check_qkv
+from visattn.ops.checks import check_dropout, check_nonnegative_int, check_positive_int, check_qkv
 from visattn.ops.local import (
     ALIGNED_TILE,
     AxisPlan,
     blocked_axis,
+    check_grid_in_order,
     check_tile_alignment,
     naive_masked_attn,
     separable_grid_mask,
@@ -46,6 +47,7 @@ def sparse_attn(
     dropout_p: float = 0.0,
     scale: float | None = None,
     backend: str | None = None,
+    token_order: str = "raster",
 ) -> torch.Tensor:
     """Softmax attention of each b x b patch query block (or, ``tile_aligned``, each tile) over the block
     plus a halo; of each prefix query over all tokens.
@@ -63,18 +65,21 @@ def sparse_attn(
         scale: score scale, default d^-0.5.
         backend: the tiled engine's path, ``"chunked"``, ``"gathered"``, ``"dense"``, ``"flex"`` or ``"triton"`` (see
             :func:`visattn.ops.local.tiled_local_attn`); None: chosen.
+        token_order: ``"raster"``, or ``"tile"``: q, k, v and the output (B, heads, S, d) in FlexAttention's
+            tile order (:func:`visattn.ops.local.flex.flex_local_attn`), on the ``"flex"`` path.
     Returns:
-        (B, heads, N, d)
+        (B, heads, N, d), or (B, heads, S, d) in tile order
     """
     check_qkv(q, k, v, "sparse_attn")
     check_dropout(dropout_p, "sparse_attn")
     check_positive_int(block_size, "block_size", "sparse_attn")
     check_nonnegative_int(halo, "halo", "sparse_attn")
     tile = check_tile_alignment(tile_aligned, aligned_tile, "sparse_attn")
-    H, W = check_grid(grid, q.shape[2], num_prefix_tokens, "sparse_attn")
+    H, W = check_grid_in_order(grid, q.shape[2], num_prefix_tokens, token_order, "sparse_attn")
     rows, cols = sparse_plans((H, W), block_size, halo, tile, q.device)
     return tiled_local_attn(
-        q, k, v, rows, cols, num_prefix_tokens=num_prefix_tokens, dropout_p=dropout_p, scale=scale, backend=backend
+        q, k, v, rows, cols, num_prefix_tokens=num_prefix_tokens, dropout_p=dropout_p, scale=scale, backend=backend,
+        token_order=token_order,
     )
 
 

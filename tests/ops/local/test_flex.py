@@ -22,7 +22,7 @@ from visattn.ops.backends import force_backend
 from visattn.ops.local import blocked_axis, neighborhood_axis, tiled_local_attn
 from visattn.ops.local.flex import flex_layout, flex_local_attn
 from visattn.ops.longformer import longformer_mask, naive_longformer_attn
-from visattn.ops.neighborhood import neighborhood_mask
+from visattn.ops.neighborhood import neighborhood_mask, neighborhood_plans
 from visattn.ops.sparse import sparse_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -154,6 +154,36 @@ def test_flex_refuses_dropout():
     q, k, v = (torch.randn(1, 2, 5 * 6, 8) for _ in range(3))
     with pytest.raises(ValueError, match="backend 'flex' has no dropout, got dropout_p=0.1"):
         ops.neighborhood_attn(q, k, v, (5, 6), 3, dropout_p=0.1, backend="flex")
+
+
+TILE_ORDER_CASES = [  # (grid, P, tile_aligned): prefix tokens padded to a block; run apart on a ragged grid
+    ((13, 11), 2, False),
+    ((13, 21), 1, True),
+]
+
+
+@pytest.mark.parametrize("grid,p,aligned", TILE_ORDER_CASES, ids=["exact-grid13x11-p2", "aligned-grid13x21-p1"])
+def test_tokens_in_tile_order_give_the_raster_outputs_in_their_slots(grid, p, aligned):
+    rows, cols = neighborhood_plans(grid, 5, 4, (8, 16) if aligned else None, torch.device("cpu"))
+    layout = flex_layout(rows, cols, p, False)
+    q, k, v = (torch.randn(2, 3, p + grid[0] * grid[1], 8) for _ in range(3))
+    options = dict(num_prefix_tokens=p, tile_size=4, tile_aligned=aligned)
+    raster = ops.neighborhood_attn(q, k, v, grid, 5, backend="flex", **options)
+    in_slots = [t[:, :, layout.slot_token] for t in (q, k, v)]  # (B, heads, S, d)
+    tiled = ops.neighborhood_attn(*in_slots, grid, 5, token_order="tile", **options)
+    assert tiled.shape[2] == layout.num_slots
+    assert_rms_close(tiled[:, :, layout.token_slot], raster, 1e-6, "tile order vs raster order")
+
+
+def test_tile_order_refuses_other_paths_orders_and_token_counts():
+    grid = (9, 7)
+    q = torch.randn(1, 2, 9 * 7, 8)
+    with pytest.raises(ValueError, match="token_order must be one of raster, tile, got 'tiles'"):
+        ops.neighborhood_attn(q, q, q, grid, 3, token_order="tiles")
+    with pytest.raises(ValueError, match="tokens in tile order take backend 'flex', got 'gathered'"):
+        ops.sparse_attn(q, q, q, grid, 3, 1, token_order="tile", backend="gathered")
+    with pytest.raises(ValueError, match="in tile order q, k, v hold the layout's 128 slots, got 63 tokens"):
+        ops.neighborhood_attn(q, q, q, grid, 3, token_order="tile")
 
 
 @pytest.mark.compile

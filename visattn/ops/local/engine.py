@@ -25,16 +25,18 @@ engine is the same.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from visattn.ops.backends import choose_local_backend, needs_autograd, select_backend
+from visattn.ops.backends import choose_local_backend, needs_autograd, planned_backend, select_backend
 from visattn.ops.cache import cache_per_inference_mode
+from visattn.ops.checks import check_grid, check_grid_size, check_nonnegative_int
 from visattn.ops.layout import merge_heads, split_heads, token_major
 from visattn.ops.local.chunked import Sequences, attend_in_chunks
-from visattn.ops.local.flex import flex_local_attn, full_block_tile
+from visattn.ops.local.flex import check_token_order, flex_local_attn, full_block_tile
 from visattn.ops.local.naive import separable_grid_mask, with_prefix_tokens
 from visattn.ops.local.plans import AxisPlan, AxisTiling
 from visattn.ops.local.triton import triton_local_attn
@@ -176,11 +178,11 @@ def _gathered_path(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropo
     return out.transpose(1, 2)
 
 
-def _flex_path(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropout_p, scale) -> torch.Tensor:
+def _flex_path(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropout_p, scale, token_order="raster"):
     """FlexAttention over the tokens in tile order (:mod:`visattn.ops.local.flex`): differentiable, no dropout."""
     if dropout_p:
         raise ValueError(f"tiled_local_attn: backend 'flex' has no dropout, got dropout_p={dropout_p}; use 'gathered'")
-    return flex_local_attn(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, scale)
+    return flex_local_attn(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, scale, token_order)
 
 
 def _triton_path(q, k, v, rows, cols, num_prefix_tokens, prefix_visible, dropout_p, scale) -> torch.Tensor:
@@ -200,6 +202,45 @@ LOCAL_PATHS = {
 }
 
 
+def check_grid_in_order(
+    grid: tuple[int, int], num_tokens: int, num_prefix_tokens: int, token_order: str, op: str
+) -> tuple[int, int]:
+    """(H, W) of a local op's grid: in raster order the tokens must be P + H * W; in tile order they are
+    the layout's slots, which the FlexAttention path checks."""
+    check_token_order(token_order, op)
+    if token_order == "tile":
+        check_nonnegative_int(num_prefix_tokens, "num_prefix_tokens", op)
+        return check_grid_size(grid, "grid", op)
+    return check_grid(grid, num_tokens, num_prefix_tokens, op)
+
+
+def _chooser(
+    device: torch.device, needs_grad: bool, dropout_p: float, rows: AxisPlan, cols: AxisPlan,
+    num_prefix_tokens: int, prefix_visible: bool,
+) -> Callable[[], str]:
+    """:func:`visattn.ops.backends.choose_local_backend` for these windows, to be called by the selection."""
+    p = num_prefix_tokens
+    return lambda: choose_local_backend(
+        device,
+        needs_grad,
+        dropout_p,
+        is_self_only(rows, cols, p, prefix_visible),
+        dense_is_cheaper(rows, cols, p, prefix_visible),
+        full_blocks=full_block_tile(rows, cols) is not None,
+    )
+
+
+def planned_local_backend(
+    device: torch.device, needs_grad: bool, dropout_p: float, rows: AxisPlan, cols: AxisPlan,
+    num_prefix_tokens: int, prefix_visible: bool,
+) -> str:
+    """The path :func:`tiled_local_attn` takes, without ``backend=``, for inputs on ``device`` (a model asks
+    before its layers run, to keep the tokens in tile order where every layer takes ``flex``)."""
+    return planned_backend(
+        "local", _chooser(device, needs_grad, dropout_p, rows, cols, num_prefix_tokens, prefix_visible)
+    )
+
+
 def tiled_local_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -211,13 +252,15 @@ def tiled_local_attn(
     dropout_p: float = 0.0,
     scale: float | None = None,
     backend: str | None = None,
+    token_order: str = "raster",
 ) -> torch.Tensor:
     """Each patch query attends to its window (rows x cols), plus every prefix key if ``prefix_visible``,
     in one softmax; each prefix query attends to all N tokens.
 
     Args:
         q, k, v: (B, heads, N, d), N = num_prefix_tokens + H * W with H = rows.length, W = cols.length,
-            prefix tokens first, patches in raster order.
+            prefix tokens first, patches in raster order; with ``token_order="tile"``, (B, heads, S, d) in
+            FlexAttention's tile order (:func:`visattn.ops.local.flex.flex_local_attn`).
         rows, cols: the window plan of each axis.
         num_prefix_tokens: P, the tokens before the patches.
         prefix_visible: whether patch queries see the prefix keys (Longformer's global tokens) or not.
@@ -227,21 +270,19 @@ def tiled_local_attn(
             mask, differentiable), ``"flex"`` (FlexAttention, :mod:`visattn.ops.local.flex`;
             differentiable, no dropout) or ``"triton"`` (fused kernels, :mod:`visattn.ops.local.triton`;
             CUDA or the CPU interpreted, differentiable, no dropout); None: chosen by
-            :func:`visattn.ops.backends.choose_local_backend`.
+            :func:`visattn.ops.backends.choose_local_backend`. Tokens in tile order take ``"flex"``, the
+            one path that reads them so.
+        token_order: ``"raster"`` or ``"tile"``.
     Returns:
-        (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor.
+        (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor; (B, heads, S, d_v) in tile order.
     """
+    check_token_order(token_order, "tiled_local_attn")
     p = num_prefix_tokens
+    if token_order == "tile":
+        if backend not in (None, "flex"):
+            raise ValueError(f"tiled_local_attn: tokens in tile order take backend 'flex', got {backend!r}")
+        return _flex_path(q, k, v, rows, cols, p, prefix_visible, dropout_p, scale, token_order)
     name = select_backend(
-        "local",
-        backend,
-        lambda: choose_local_backend(
-            q.device,
-            needs_autograd(q, k, v),
-            dropout_p,
-            is_self_only(rows, cols, p, prefix_visible),
-            dense_is_cheaper(rows, cols, p, prefix_visible),
-            full_blocks=full_block_tile(rows, cols) is not None,
-        ),
+        "local", backend, _chooser(q.device, needs_autograd(q, k, v), dropout_p, rows, cols, p, prefix_visible)
     )
     return LOCAL_PATHS[name](q, k, v, rows, cols, p, prefix_visible, dropout_p, scale)

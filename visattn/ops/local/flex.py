@@ -63,9 +63,15 @@ from visattn.ops.layout import merge_heads, split_heads
 from visattn.ops.local.plans import AxisPlan, AxisTiling
 
 BLOCK = 128  # FlexAttention's default block of queries and of keys
+TOKEN_ORDERS = ("raster", "tile")
 TILE_WIDTH = 16  # a block's tile is TILE_WIDTH wide and BLOCK // TILE_WIDTH tall (narrower grids: narrower tiles)
 
 _compiled_flex_attention = None
+
+
+def check_token_order(token_order: str, op: str) -> None:
+    if token_order not in TOKEN_ORDERS:
+        raise ValueError(f"{op}: token_order must be one of {', '.join(TOKEN_ORDERS)}, got {token_order!r}")
 
 
 def tile_shape(width: int) -> tuple[int, int]:
@@ -109,13 +115,21 @@ class FlexLayout:
     """The tokens in tile order and the block mask over them. Slot s of the permuted sequence reads
     token ``slot_token[s]``; token t's output is slot ``token_slot[t]``. FlexAttention runs over the first
     ``attended`` slots; where the prefix queries run apart (the slots after those), they attend to every
-    slot, but the padding ones where ``prefix_keys`` says so. Cached and compared by identity."""
+    slot, but the padding ones where ``prefix_keys`` says so. Two layouts with the same ``order`` put the
+    tokens in the same slots (their windows, and so their block masks, may differ). Cached and compared by
+    identity."""
 
     block_mask: BlockMask
     slot_token: torch.Tensor  # (S,) long, S = flex_slots(...): the prefix slots and the padded grid
     token_slot: torch.Tensor  # (N,) long
     attended: int
+    order: tuple[int, int, int, int, int, bool]  # (H, W, P, th, tw, prefix apart): what the slots depend on
     prefix_keys: torch.Tensor | None = None  # (1, 1, 1, S) bool: the real slots, where the grid is padded
+
+    @property
+    def num_slots(self) -> int:
+        """S: the prefix slots and the padded grid's."""
+        return self.slot_token.shape[0]
 
 
 def _axis_blocks(plan: AxisPlan, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -208,7 +222,7 @@ def flex_layout(rows: AxisPlan, cols: AxisPlan, num_prefix_tokens: int, prefix_v
     )
     padded = apart and H * W < grid_slots
     prefix_keys = torch.cat([real, prefix.new_ones(p, dtype=torch.bool)])[None, None, None] if padded else None
-    return FlexLayout(block_mask, slot_token, token_slot, attended, prefix_keys)
+    return FlexLayout(block_mask, slot_token, token_slot, attended, (H, W, p, th, tw, apart), prefix_keys)
 
 
 def _window_mask(rows, cols, num_prefix_tokens, prefix_visible, prefix_slots, y, x, real):
@@ -253,31 +267,50 @@ def flex_local_attn(
     num_prefix_tokens: int = 0,
     prefix_visible: bool = False,
     scale: float | None = None,
+    token_order: str = "raster",
 ) -> torch.Tensor:
     """:func:`visattn.ops.local.engine.tiled_local_attn` on FlexAttention: each patch query attends to its
     window (rows x cols), plus every prefix key if ``prefix_visible``; each prefix query to all N tokens.
 
     Args:
-        q, k, v: (B, heads, N, d), N = num_prefix_tokens + H * W, prefix tokens first, patches in
-            raster order.
+        q, k, v: ``token_order="raster"``: (B, heads, N, d), N = num_prefix_tokens + H * W, prefix tokens
+            first, patches in raster order. ``"tile"``: (B, heads, S, d), the tokens already in the slots
+            of :func:`flex_layout` (``x[:, layout.slot_token]``), as a model that keeps them in tile
+            order between its layers passes them (:class:`visattn.models.tile_order.TileOrderBlocks`).
         rows, cols: the window plan of each axis.
     Returns:
-        (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor.
+        ``"raster"``: (B, heads, N, d_v), a view of a token-major (B, N, heads, d_v) tensor; ``"tile"``:
+        (B, heads, S, d_v) in the same slots as q (those of padding slots finite, meaningless).
     """
-    B, heads, N, _ = q.shape
+    check_token_order(token_order, "flex_local_attn")
     p = num_prefix_tokens
     layout = flex_layout(rows, cols, p, prefix_visible)
-    attended = layout.attended
+    if token_order == "tile":
+        if q.shape[2] != layout.num_slots:
+            raise ValueError(
+                f"flex_local_attn: in tile order q, k, v hold the layout's {layout.num_slots} slots, got {q.shape[2]} tokens"
+            )
+        return _attend_slots(q, k, v, layout, p, scale)
+    heads = q.shape[1]
 
     def tile_order(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # (B, heads, N, d) -> (B, heads, S, d)
         return split_heads(merge_heads(t).index_select(1, slots), heads)
 
-    keys, values = tile_order(k, layout.slot_token), tile_order(v, layout.slot_token)
-    queries = tile_order(q, layout.slot_token[:attended])
-    out = _attend(queries, keys[:, :, :attended], values[:, :, :attended], layout.block_mask, scale)
-    if attended < layout.slot_token.shape[0]:  # the prefix rows apart: a copy of their queries, not a view of q's
-        prefix = F.scaled_dot_product_attention(
-            q[:, :, :p].contiguous(), keys, values, attn_mask=layout.prefix_keys, scale=scale
-        )  # (B, heads, P, d_v)
-        out = torch.cat([out, prefix], dim=2)
+    queries, keys, values = (tile_order(t, layout.slot_token) for t in (q, k, v))
+    out = _attend_slots(queries, keys, values, layout, p, scale)
     return out.transpose(1, 2).index_select(1, layout.token_slot).transpose(1, 2)
+
+
+def _attend_slots(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayout, num_prefix_tokens: int, scale: float | None
+) -> torch.Tensor:
+    """Attention over the tokens in ``layout``'s slots: (B, heads, S, d) -> (B, heads, S, d_v)."""
+    attended = layout.attended
+    out = _attend(q[:, :, :attended], k[:, :, :attended], v[:, :, :attended], layout.block_mask, scale)
+    if attended == layout.num_slots:
+        return out
+    # the prefix rows apart (the last P slots): one SDPA over every real slot
+    prefix = F.scaled_dot_product_attention(
+        q[:, :, attended:].contiguous(), k, v, attn_mask=layout.prefix_keys, scale=scale
+    )  # (B, heads, P, d_v)
+    return torch.cat([out, prefix], dim=2)
