@@ -112,8 +112,9 @@ def tiled_memory(case: CostCase, rows: AxisTiling, cols: AxisTiling, num_visible
 
 def flex_memory(case: CostCase, slots: int) -> MixingMemory:
     """The tiled local engine on FlexAttention (:func:`visattn.ops.local.flex.flex_local_attn`), over
-    ``slots`` tokens in tile order: q, k and v copied into that order, the kernel's output and its fp32
-    log-sum-exp per slot and head, all kept for the backward. No gathered tiles and no mask (the block
+    ``slots`` tokens in tile order: q, k and v copied into that order (or, where the model keeps its
+    tokens in tile order, :mod:`visattn.models.tile_order`, views of the qkv projection: as many bytes), the
+    kernel's output and its fp32 log-sum-exp per slot and head, all kept for the backward. No gathered tiles and no mask (the block
     mask's tables, a few kB per layout, are left out); the qkv projection is not kept, since the
     permutation's backward needs only its indices. Where the prefix rows run apart (tile-aligned windows)
     the count is the same: their queries are copied, and their SDPA keeps its output and log-sum-exp."""

@@ -9,6 +9,7 @@ from visattn.layers.local import LocalWindowAttention
 from visattn.ops.checks import check_positive_int
 from visattn.ops.local import (
     ALIGNED_TILE,
+    AxisPlan,
     AxisTiling,
     check_aligned_tile,
     check_tile_alignment,
@@ -16,7 +17,7 @@ from visattn.ops.local import (
     tile_neighborhood_tiling,
     tiles_holding,
 )
-from visattn.ops.neighborhood import neighborhood_attn
+from visattn.ops.neighborhood import neighborhood_attn, neighborhood_plans
 
 
 class NeighborhoodAttention(LocalWindowAttention):
@@ -71,7 +72,12 @@ class NeighborhoodAttention(LocalWindowAttention):
         return neighborhood_attn(
             q, k, v, grid, self.kernel_size, num_prefix_tokens=self.num_prefix_tokens, tile_size=self.tile_size,
             tile_aligned=self.tile_aligned, aligned_tile=self.aligned_tile, dropout_p=self.dropout_p,
+            token_order=self.token_order,
         )
+
+    def window_plans(self, grid, device) -> tuple[AxisPlan, AxisPlan]:
+        tile = self.aligned_tile if self.tile_aligned else None
+        return neighborhood_plans(grid, self.kernel_size, self.tile_size, tile, device)
 
     def extra_repr(self) -> str:
         if self.tile_aligned:

@@ -7,8 +7,15 @@ import torch
 
 from visattn.layers.local import LocalWindowAttention
 from visattn.ops.checks import check_nonnegative_int, check_positive_int
-from visattn.ops.local import ALIGNED_TILE, AxisTiling, blocked_tiling, check_aligned_tile, check_tile_alignment
-from visattn.ops.sparse import aligned_blocks, sparse_attn
+from visattn.ops.local import (
+    ALIGNED_TILE,
+    AxisPlan,
+    AxisTiling,
+    blocked_tiling,
+    check_aligned_tile,
+    check_tile_alignment,
+)
+from visattn.ops.sparse import aligned_blocks, sparse_attn, sparse_plans
 
 
 class SparseAttention(LocalWindowAttention):
@@ -59,7 +66,12 @@ class SparseAttention(LocalWindowAttention):
         return sparse_attn(
             q, k, v, grid, self.block_size, self.halo, num_prefix_tokens=self.num_prefix_tokens,
             tile_aligned=self.tile_aligned, aligned_tile=self.aligned_tile, dropout_p=self.dropout_p,
+            token_order=self.token_order,
         )
+
+    def window_plans(self, grid, device) -> tuple[AxisPlan, AxisPlan]:
+        tile = self.aligned_tile if self.tile_aligned else None
+        return sparse_plans(grid, self.block_size, self.halo, tile, device)
 
     def extra_repr(self) -> str:
         if self.tile_aligned:

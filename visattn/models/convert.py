@@ -43,6 +43,7 @@ from timm.layers import Attention, PatchDropout
 from timm.models.vision_transformer import VisionTransformer
 
 from visattn.layers import GridAttention, get_attention, list_attentions
+from visattn.models.tile_order import keep_tokens_in_tile_order
 
 # Submodules every layer shares with timm's Attention; they move as they are into the new layer.
 CARRIED_MODULES = ("qkv", "q_norm", "k_norm", "norm", "proj")
@@ -87,7 +88,8 @@ def convert(model: nn.Module, attn: str | Sequence[str] = "linear", **attn_kwarg
             axial={...})``. Options that depend on the model (``ref_grid``: the patch grid the model was
             built for) are filled in where the layer class accepts them and they are not given.
     Returns:
-        ``model``, converted, with a :class:`PatchGridHook` on ``model.patch_embed``.
+        ``model``, converted, with a :class:`PatchGridHook` on ``model.patch_embed``, and its blocks in a
+        :class:`visattn.models.tile_order.TileOrderBlocks` where a layer is local.
     Raises:
         ValueError: an unsupported model or attention, an unknown attention name or option, a list whose
             length is not the depth, or a layer that needs the grid in a model with patch dropout.
@@ -108,6 +110,7 @@ def convert(model: nn.Module, attn: str | Sequence[str] = "linear", **attn_kwarg
     for block, layer in zip(blocks, new_layers):
         block.attn = layer
     _install_grid_hook(model, new_layers)
+    keep_tokens_in_tile_order(model)
     return model
 
 
