@@ -111,7 +111,7 @@ def test_a_second_convert_keeps_one_wrapper():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("attn,attn_kwargs,grid,kwargs", CASES, ids=IDS)
+@pytest.mark.parametrize("attn,attn_kwargs,grid,kwargs", CASES[::2], ids=IDS[::2])  # each compiles FlexAttention
 def test_cuda_training_in_tile_order_matches_raster_order(attn, attn_kwargs, grid, kwargs):
     """Outputs and every parameter's gradient, FlexAttention in both (chosen for the tile-aligned options,
     forced for the exact windows, whose CUDA path is the Triton kernels)."""
