@@ -8,7 +8,6 @@ from torch.utils._pytree import tree_flatten
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn.ops import neighborhood_attn
-from visattn.ops.backends import BACKENDS
 from visattn.ops.neighborhood import naive_neighborhood_attn, neighborhood_mask
 
 # (B, heads, H, W, kernel_size, tile_size, head_dim)

@@ -6,7 +6,6 @@ import torch
 
 from tests.helpers import assert_rms_close, grads_of
 from visattn.ops import sparse_attn
-from visattn.ops.backends import BACKENDS
 from visattn.ops.sparse import naive_sparse_attn, sparse_mask
 
 # (B, heads, H, W, block_size, halo, head_dim)
