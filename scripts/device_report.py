@@ -19,7 +19,7 @@ from pathlib import Path
 
 BENCH_STAGES = (
     "infer_2048", "infer_2048_previous", "infer_1024", "train_1024", "train_1024_previous", "infer_224", "train_2048",
-    "compile_1024",
+    "aligned_2048", "aligned_1024", "aligned_train_1024", "compile_1024",
 )
 PROFILE_STAGES = ("profile_train_1024", "profile_2048", "profile_224")
 
