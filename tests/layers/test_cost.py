@@ -195,3 +195,27 @@ def test_tile_aligned_windows_count_their_tiles(name, monkeypatch):
     monkeypatch.setattr("visattn.ops.backends.triton_runs_on", lambda device: True)
     cuda = layer.mixing_memory(CostCase(layout, 6, 64, options, 2, CUDA))
     assert cuda == MixingMemory(infer=4 * 3201 * c * 2 + 4 * 6 * 3201, train=4 * 3201 * c * 2 + 4 * 6 * 3201)
+
+
+@pytest.mark.parametrize("p", [1, 0], ids=["p1", "p0"])
+def test_linformer_memory_is_what_autograd_keeps_where_the_tokens_are_projected_first(p):
+    """The default path (k < H W, no key norm), batch 2, fp32: the storages saved for the backward besides
+    the layer's input and its parameters (the block counts those) are the formula's to the byte: the
+    batch's share of the training figure and, once, the two projections with their prefix rows."""
+    batch, dim, heads, grid, k = 2, 32, 2, (8, 10), 16
+    layer = get_attention("linformer")(dim, heads, k=k, ref_grid=grid)
+    layer.set_grid(grid, p)
+    x = torch.randn(batch, p + grid[0] * grid[1], dim, requires_grad=True)
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer.project_and_mix(x, grid, None, False)
+    kept_elsewhere = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
+    saved = sum(size for pointer, size in storages.items() if pointer not in kept_elsewhere)
+    options = attention_options("linformer", {"k": k}, grid)
+    memory = layer.mixing_memory(CostCase(TokenLayout(grid, p), heads, dim // heads, options, act_bytes=4))
+    assert saved == batch * memory.train + memory.shared

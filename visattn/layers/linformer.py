@@ -116,13 +116,15 @@ class LinformerAttention(GridAttention):
 
     @classmethod
     def mixing_memory(cls, case: CostCase) -> MixingMemory:
-        """Projected keys and values ((P + k) x C each, the prefix tokens' among them) and the output; the
-        backward keeps q, k, v. Each block resamples its two (k, H W) projections, shared by the batch, and
-        runs them with P identity rows for the prefix tokens, (P + k) x N each; the backward keeps those."""
+        """Projected keys and values ((P + k) x C each, the prefix tokens' among them) and the output. The
+        backward keeps q and the output, and, where the tokens are projected first (k < H W, see
+        :meth:`project_and_mix`; counted without a key norm), the projected tokens of the two projections
+        and the keys and values made from them, each (P + k) x C: 2 N C + 4 (P + k) C; else q, k, v of all
+        N tokens: 4 N C + 4 (P + k) C; SDPA's fp32 log-sum-exp per query and head beside them. Each block resamples its two (k, H W) projections, shared by the
+        batch, and runs them with P identity rows for the prefix tokens, (P + k) x N each; the backward
+        keeps those."""
         k, n, c, act_bytes = case.options["k"], case.layout.num_tokens, case.dim, case.act_bytes
         rows = case.layout.num_prefix_tokens + k  # P + k keys and values
-        return MixingMemory(
-            infer=(n * c + 4 * rows * c) * act_bytes,
-            train=(4 * n * c + 4 * rows * c) * act_bytes,
-            shared=2 * rows * n * 4,
-        )
+        projected_first = k < case.layout.num_patches
+        train = ((2 if projected_first else 4) * n * c + 4 * rows * c) * act_bytes + 4 * case.num_heads * n
+        return MixingMemory(infer=(n * c + 4 * rows * c) * act_bytes, train=train, shared=2 * rows * n * 4)

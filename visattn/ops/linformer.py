@@ -112,18 +112,18 @@ def project_keys_values(
         keys, values: (B, P + k, D) each, the prefix tokens first.
     """
     _check_projections(x.unsqueeze(1), proj_k, proj_v, num_prefix_tokens, "project_keys_values")
-    dim = kv_weight.shape[0] // 2
-    out = []
-    for proj, weight, bias in (
-        (proj_k, kv_weight[:dim], None if kv_bias is None else kv_bias[:dim]),
-        (proj_v, kv_weight[dim:], None if kv_bias is None else kv_bias[dim:]),
-    ):
-        proj = _with_prefix_rows(proj.to(x.dtype), num_prefix_tokens)  # (P + k, N)
-        projected = F.linear(proj @ x, weight)  # (P + k, N) @ (B, N, C) -> (B, P + k, C) -> (B, P + k, D)
-        if bias is not None:  # row j carries the bias sum_t E'_jt times: a prefix token once
-            projected = projected + proj.sum(dim=1)[:, None] * bias  # (P + k, 1) * (D,)
-        out.append(projected)
-    return out[0], out[1]
+    rows, dim = num_prefix_tokens + proj_k.shape[0], kv_weight.shape[0] // 2
+    both = torch.cat([_with_prefix_rows(proj.to(x.dtype), num_prefix_tokens) for proj in (proj_k, proj_v)])
+    # one batched product over x as it is: broadcasting the (2 (P + k), N) matrix against (B, N, C) would fold
+    # x into one (B C, N) matrix, a copy of x for each projection that autograd would keep
+    tokens = torch.bmm(both.expand(x.shape[0], -1, -1), x)  # (B, 2 (P + k), C): E'_k X, then E'_v X
+    keys = F.linear(tokens[:, :rows], kv_weight[:dim])  # (B, P + k, D)
+    values = F.linear(tokens[:, rows:], kv_weight[dim:])
+    if kv_bias is not None:  # row j carries the bias sum_t E'_jt times: a prefix token once
+        weight_sum = both.sum(dim=1)[:, None]  # (2 (P + k), 1)
+        keys = keys + weight_sum[:rows] * kv_bias[:dim]
+        values = values + weight_sum[rows:] * kv_bias[dim:]
+    return keys, values
 
 
 def naive_linformer_attn(
