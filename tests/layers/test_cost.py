@@ -201,7 +201,8 @@ def test_tile_aligned_windows_count_their_tiles(name, monkeypatch):
 def test_linformer_memory_is_what_autograd_keeps_where_the_tokens_are_projected_first(p):
     """The default path (k < H W, no key norm), batch 2, fp32: the storages saved for the backward besides
     the layer's input and its parameters (the block counts those) are the formula's to the byte: the
-    batch's share of the training figure and, once, the two projections with their prefix rows."""
+    batch's share of the training figure and, once, the two projections with their prefix rows. (With a
+    qkv bias the 2 (P + k) row sums that scale it are kept too, a few bytes the formula leaves out.)"""
     batch, dim, heads, grid, k = 2, 32, 2, (8, 10), 16
     layer = get_attention("linformer")(dim, heads, k=k, ref_grid=grid)
     layer.set_grid(grid, p)
