@@ -23,6 +23,10 @@ Accounting per call (B images, N = P + H W tokens, C = heads x d, e bytes per el
 - FLOPs: the layer's cost model (``mixing_flops``, the benchmark's count) times B, and three times that for
   forward + backward (each product has two products in its backward; recomputation is not counted).
 
+Once every row is timed, each op's triton path is run beside its previous path on the same inputs, and the RMS of
+their difference, relative to the previous path's, goes into its rows (``rel_rms_vs_previous``: of the output, of
+the projection's gradient): the launch configurations chosen at these shapes compute the op.
+
 Written into ``--out``, again after every row (a run stopped at a time limit keeps what it measured):
 ``kernels.csv`` (a row per op, path, shape and mode), ``kernels.md``, ``tuned_configs.json`` (every kernel's launch
 configuration in use: its module's TUNED_CONFIGS entries and what this process's autotuning chose),
@@ -77,6 +81,7 @@ TABLE_MODULES = {"linear": linear_triton, "axial": axial_triton, "local": local_
 CSV_COLUMNS = (
     "op", "path", "shape", "batch", "grid", "prefix", "tokens", "heads", "head_dim", "dtype", "mode", "median_ms",
     "first_call_s", "min_bytes", "flops", "gb_per_s", "tflop_per_s", "hbm_fraction", "tensor_fraction", "error",
+    "rel_rms_vs_previous",
 )
 
 
@@ -309,6 +314,34 @@ def result_row(
     return row
 
 
+def agreement(attn: str, shape: Shape, mode: str, device: torch.device, args: argparse.Namespace) -> str:
+    """How far the triton path's result is from the previous path's on the same inputs, under autocast in the
+    dtype: the RMS of the difference over the previous path's RMS, of the output (forward) or of the
+    projection's gradient (forward + backward), to three significant digits; or the error that ended a call.
+    It checks the launch configurations chosen on this device at these shapes, which the tests' small shapes
+    need not reach: rounding in bf16 leaves about 2^-8, a wrong result order 1."""
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(1)
+    inputs, qkv, grad = make_inputs(attn, shape, device, dtype)
+    results = []
+    try:
+        for path in OPS[attn]:
+            with forced_backends(path.forced):
+                if mode == "forward":
+                    with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                        results.append(path.call(qkv, inputs).float())
+                    continue
+                leaf = qkv.detach().requires_grad_(True)
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    out = path.call(leaf, inputs)
+                out.backward(grad)
+                results.append(leaf.grad.float())
+    except Exception as err:  # reported beside the timing, as a failed timing is
+        return f"{type(err).__name__}: {err}".splitlines()[0][:80]
+    new, old = results
+    return f"{((new - old).square().mean().sqrt() / old.square().mean().sqrt()).item():.3g}"
+
+
 # -- the launch configurations -------------------------------------------------------------------------------------
 def _config_json(config: Any) -> tuple[str, Any]:
     """(type name, fields) of a table value: a dataclass or NamedTuple by field, a plain tuple as a list."""
@@ -416,7 +449,9 @@ def markdown(
         f"# Triton kernels beside the paths they replace: {name}, {args.dtype}", "",
         f"Median ms per call ({timer}). GB/s: the bytes a call must move at least (forward 4 B N C elements, forward + "
         f"backward 11 B N C); TFLOP/s: the layer's cost model (x 3 with the backward). {limits_text} First calls: "
-        "the seconds of the first forward and the first forward + backward (compiling, autotuning).", "",
+        "the seconds of the first forward and the first forward + backward (compiling, autotuning). Relative RMS: of "
+        "the triton path's output and projection gradient against the previous path's on the same inputs "
+        "(bf16 rounding leaves about 0.004; a wrong result, order 1).", "",
     ]
     by_key = {(r["op"], r["path"], r["shape"], r["mode"]): r for r in results}
     for shape in shapes:
@@ -424,15 +459,17 @@ def markdown(
             f"## {shape.label}: batch {shape.batch}, {shape.grid[0]}x{shape.grid[1]} grid + {shape.prefix} prefix "
             f"({shape.tokens:,} tokens), {shape.heads} heads x {shape.head_dim}", "",
             "| op | path | fwd ms | fwd GB/s | fwd TFLOP/s | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd TFLOP/s "
-            "| first calls s | triton speed-up (fwd / fwd+bwd) |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| first calls s | triton speed-up (fwd / fwd+bwd) | triton against it, relative RMS (out / grad) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for attn in args.ops:
             for i, path in enumerate(OPS[attn]):
                 rows = [by_key.get((attn, path.label, shape.label, mode)) for mode in MODES]
                 first = sum(r["first_call_s"] for r in rows if r and "first_call_s" in r)
                 cells = [attn, path.label, *_cell(rows[0], limits), *_cell(rows[1], limits), f"{first:.1f}"]
-                lines.append("| " + " | ".join(cells + [_speedups(by_key, attn, shape) if i == 0 else ""]) + " |")
+                values = [r.get("rel_rms_vs_previous") or "" for r in rows if r]
+                compared = " / ".join(values) if i == 0 and any(values) else ""
+                lines.append("| " + " | ".join(cells + [_speedups(by_key, attn, shape) if i == 0 else "", compared]) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -513,6 +550,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     status = row.get("error") or f"{row['median_ms']:.3f} ms, first call {row['first_call_s']} s"
                     print(f"{shape.label} {attn} {path.label} {mode}: {status}", flush=True)
                     write_outputs(args.out, results, shapes, device, args, log)
+    for row in results[: len(results) // 2]:  # the triton paths' rows
+        shape = next(shape for shape in shapes if shape.label == row["shape"])
+        row["rel_rms_vs_previous"] = agreement(row["op"], shape, row["mode"], device, args)
+        print(f"{shape.label} {row['op']} {row['mode']}: triton against {OPS[row['op']][1].label}, relative RMS "
+              f"{row['rel_rms_vs_previous']}", flush=True)
+    write_outputs(args.out, results, shapes, device, args, log)
     return results
 
 
