@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1  # a stage stopped at its limit keeps the log it print
 PY=${PYTHON:-python3}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # The check: about 445 s of stages on an H200, an estimate: the cuda tests and the kernels at their limits (150 s,
-# 60 s; the cuda tests took 106 s at half today's count, most new ones autotune Triton kernels) and the benchmark
+# 60 s; the cuda tests took 106 s at half today's count, the new ones compile Triton kernels) and the benchmark
 # stages' 235 s of docs/results/2026-11-27-h200-check.md (where FlexAttention compiled in the rows the Triton kernels
 # take now, their compiled kernels cached by the kernels stage). When named: the rows on the paths before the kernels
 # (about 35 and 30 s), the tile-aligned rows (aligned_2048, aligned_1024, aligned_train_1024), the training run
@@ -52,7 +52,10 @@ MAX_TOKENS_ROWS=${MAX_TOKENS_ROWS:-$ATTN}
 PREVIOUS="--references --backend projected_linear=split --backend linear=plain"
 PREVIOUS+=" --backend axial=sdpa --backend local=flex"
 # Most important first: a stage past its limit loses only itself (the benchmark writes the rows it measured).
-stage cuda_tests "${CUDA_TESTS_LIMIT:-150}" $PY -m pytest -v -m cuda -p no:cacheprovider --durations 8 tests
+# Each kernel at its first candidate configuration: autotuning at every small shape of the tests would compile every
+# candidate (the kernels stage autotunes at the model's shapes and compares its results with the previous paths').
+stage cuda_tests "${CUDA_TESTS_LIMIT:-150}" env VISATTN_TRITON_AUTOTUNE=0 $PY -m pytest -v -m cuda -p no:cacheprovider \
+  --durations 8 tests
 # From here on a kernel autotunes once per key and dtype on this machine: later processes read the choice from
 # Triton's cache (the tests' choices, made at their small shapes, are not kept).
 export TRITON_CACHE_AUTOTUNING=1

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from visattn.ops.layout import split_heads, split_qkv, token_major_empty
-from visattn.ops.triton_support import HAS_TRITON, INTERPRETED, check_triton_runs_on, register_triton_op
+from visattn.ops.triton_support import AUTOTUNE, HAS_TRITON, INTERPRETED, check_triton_runs_on, register_triton_op
 
 if HAS_TRITON:
     import triton
@@ -103,13 +103,16 @@ def _lines(rows: bool, h: int, w: int) -> dict:
 
 def _launch(hop: str, kernel: str, grid: tuple[int, int], args: list, meta: dict, dtype: torch.dtype) -> None:
     """A line kernel (``kernel``: "forward" or "backward" of ``hop``: "rows" or "columns") at its
-    configuration: the fixed one when interpreted, else :data:`TUNED_CONFIGS`'s, else autotuned."""
+    configuration: the fixed one when interpreted, else :data:`TUNED_CONFIGS`'s, else autotuned (the first
+    candidate where autotuning is off, :mod:`visattn.ops.triton_support`)."""
     assert min(meta["BLOCK_L"], meta["BLOCK_P"], meta["BLOCK_D"]) >= 16, meta  # tl.dot's smallest operand
     if INTERPRETED:
         config = INTERPRETED_CONFIG
     else:
         dtype_name = str(dtype).removeprefix("torch.")
         config = TUNED_CONFIGS.get((f"{hop}_{kernel}", meta["BLOCK_L"], meta["BLOCK_D"], dtype_name))
+        if config is None and not AUTOTUNE:  # the first candidate (triton_support says when)
+            config = AUTOTUNE_CONFIGS[0]
     if config is None:
         wrap_triton(_AUTOTUNED[kernel])[grid](*args, **meta)
         return

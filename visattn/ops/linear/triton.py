@@ -36,7 +36,7 @@ import torch
 from visattn.ops.checks import check_grid, check_packed_qkv
 from visattn.ops.layout import split_qkv
 from visattn.ops.rope import check_rope_table
-from visattn.ops.triton_support import HAS_TRITON, INTERPRETED, check_triton_runs_on, register_triton_op
+from visattn.ops.triton_support import AUTOTUNE, HAS_TRITON, INTERPRETED, check_triton_runs_on, register_triton_op
 
 if HAS_TRITON:
     import triton
@@ -110,9 +110,12 @@ if HAS_TRITON and not INTERPRETED:
 
 def _kernel(name: str, block_d: int, dtype: torch.dtype):
     """The kernel ``name`` and its launch keywords: the fixed configuration when interpreted, the table's
-    entry if any, else the autotuned kernel (which picks BLOCK_N, warps and stages itself)."""
+    entry if any, else the autotuned kernel (which picks BLOCK_N, warps and stages itself), or its first
+    candidate where autotuning is off (:mod:`visattn.ops.triton_support`)."""
     dtype_name = str(dtype).removeprefix("torch.")
     config = INTERPRETED_CONFIG if INTERPRETED else TUNED_CONFIGS.get((name, block_d, dtype_name))
+    if config is None and not AUTOTUNE:  # the first candidate (triton_support says when)
+        config = (WIDE_HEAD_CONFIGS if block_d > 64 else AUTOTUNE_CONFIGS[name])[0]
     if config is None:
         return wrap_triton(_AUTOTUNED[(name, block_d > 64)]), {}
     if SEGMENT % config.block_n or config.block_n < 16:

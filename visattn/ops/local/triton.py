@@ -30,7 +30,7 @@ import torch
 
 from visattn.ops.layout import token_major_empty
 from visattn.ops.local.plans import AxisPlan, WindowRule
-from visattn.ops.triton_support import HAS_TRITON, INTERPRETED, check_triton_runs_on, register_triton_op
+from visattn.ops.triton_support import AUTOTUNE, HAS_TRITON, INTERPRETED, check_triton_runs_on, register_triton_op
 
 if HAS_TRITON:
     import triton
@@ -97,8 +97,11 @@ if HAS_TRITON and not INTERPRETED:
 
 def _launch(name: str, block_d: int, dtype: torch.dtype):
     """The kernel ``name``, its launch keywords and the configurations it may run with: the fixed one when
-    interpreted, the table's entry if any, else the autotuned kernel's candidates (it picks one itself)."""
+    interpreted, the table's entry if any, else the autotuned kernel's candidates (it picks one itself), or the
+    first of them where autotuning is off (:mod:`visattn.ops.triton_support`)."""
     config = INTERPRETED_CONFIGS[name] if INTERPRETED else TUNED_CONFIGS.get((name, block_d, _dtype_name(dtype)))
+    if config is None and not AUTOTUNE:  # the first candidate (triton_support says when)
+        config = AUTOTUNE_CONFIGS[name][0]
     if config is None:
         return wrap_triton(_AUTOTUNED[name]), {}, AUTOTUNE_CONFIGS[name]
     if min(config.qh * config.qw, config.kh * config.kw) < 16:

@@ -1,0 +1,70 @@
+"""How a Triton kernel picks its launch configuration on a GPU (visattn.ops.triton_support): with autotuning
+off (``VISATTN_TRITON_AUTOTUNE=0``), each kernel's first candidate. The launches are read on the CPU with the
+modules told they are compiled: nothing runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import visattn.ops.axial.triton as axial_triton
+import visattn.ops.linear.triton as linear_triton
+import visattn.ops.local.triton as local_triton
+from visattn.ops import triton_support
+
+pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs the triton package")
+
+
+@pytest.fixture
+def compiled_without_autotuning(monkeypatch):
+    for module in (linear_triton, axial_triton, local_triton):
+        monkeypatch.setattr(module, "INTERPRETED", False)
+        monkeypatch.setattr(module, "AUTOTUNE", False)
+        monkeypatch.setattr(module, "wrap_triton", lambda kernel: kernel)
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("0", False)])
+def test_the_setting_reads_0_or_1(monkeypatch, value, expected):
+    monkeypatch.setenv("VISATTN_TRITON_AUTOTUNE", value)
+    assert triton_support._autotune_setting() is expected
+
+
+def test_the_setting_refuses_anything_else(monkeypatch):
+    monkeypatch.setenv("VISATTN_TRITON_AUTOTUNE", "off")
+    with pytest.raises(ValueError, match=r"VISATTN_TRITON_AUTOTUNE must be 0 .* or 1 \(autotune\), got 'off'"):
+        triton_support._autotune_setting()
+
+
+def test_linear_kernels_launch_with_their_first_candidate(compiled_without_autotuning):
+    for name, candidates in linear_triton.AUTOTUNE_CONFIGS.items():
+        for block_d, first in ((64, candidates[0]), (128, linear_triton.WIDE_HEAD_CONFIGS[0])):
+            kernel, launch = linear_triton._kernel(name, block_d, torch.bfloat16)
+            assert kernel is getattr(linear_triton.kernels, name)  # the kernel itself, not an autotuner
+            assert launch == {"BLOCK_N": first.block_n, "num_warps": first.num_warps, "num_stages": first.num_stages}
+
+
+def test_local_kernels_launch_with_their_first_candidate(compiled_without_autotuning):
+    for name, candidates in local_triton.AUTOTUNE_CONFIGS.items():
+        kernel, launch, configs = local_triton._launch(name, 64, torch.bfloat16)
+        first = candidates[0]
+        assert kernel is getattr(local_triton.kernels, name) and configs == (first,)
+        assert launch == {"QH": first.qh, "QW": first.qw, "KH": first.kh, "KW": first.kw,
+                          "num_warps": first.num_warps, "num_stages": first.num_stages}
+
+
+def test_axial_kernels_launch_with_their_first_candidate(compiled_without_autotuning, monkeypatch):
+    launched = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append((self.kernel, meta))
+
+    monkeypatch.setattr(axial_triton, "wrap_triton", Recorder)
+    meta = {"BLOCK_L": 16, "BLOCK_P": 16, "BLOCK_D": 64}
+    for kernel in ("forward", "backward"):
+        axial_triton._launch("rows", kernel, (1, 1), [], meta, torch.bfloat16)
+    block_q, warps, stages = axial_triton.AUTOTUNE_CONFIGS[0]
+    first = {"BLOCK_Q": block_q, "num_warps": warps, "num_stages": stages}
+    assert launched == [(axial_triton._KERNELS[kernel], meta | first) for kernel in ("forward", "backward")]
