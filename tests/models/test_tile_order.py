@@ -110,6 +110,25 @@ def test_a_second_convert_keeps_one_wrapper():
     assert isinstance(model.blocks, TileOrderBlocks) and list(model.blocks) == blocks
 
 
+@pytest.mark.compile
+def test_a_compiled_model_keeps_the_tile_order_in_one_graph():
+    """``torch.compile(fullgraph=True)`` traces the choice, the permutations and the layers' token order
+    without a graph break, and the layers see the slots there too."""
+    grid = (13, 21)
+    model = _model("neighborhood", {"tile_aligned": True}, grid)
+    image = torch.randn(2, 3, grid[0] * 16, grid[1] * 16)
+    seen = []
+    for block in model.blocks:
+        block.attn.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
+    torch._dynamo.reset()
+    with force_backend("local", "flex"), torch.no_grad():
+        eager = model.forward_features(image)
+        compiled = torch.compile(model.forward_features, fullgraph=True, backend="aot_eager")(image)
+        slots = model.blocks[0].attn.tile_layout(image).num_slots
+    assert seen == [slots] * 4  # eager, then traced
+    assert_rms_close(compiled, eager, 1e-6, "compiled vs eager")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("attn,attn_kwargs,grid,kwargs", CASES[::2], ids=IDS[::2])  # each compiles FlexAttention
 def test_cuda_training_in_tile_order_matches_raster_order(attn, attn_kwargs, grid, kwargs):
