@@ -302,6 +302,16 @@ def test_references_can_leave_timm_out(tmp_path):
         assert json.load(f)["crossover"] == {}
     report = (tmp_path / "bench.md").read_text()
     assert "## Crossover" not in report and "## Scaling exponents" in report
+    assert "% floor and x timm: the median over interleaved rounds" in report
+
+
+def test_rows_without_references_state_no_ratio(tmp_path):
+    _run(["--attn", "linear", "--sizes", "32", "--modes", "infer", "--references", "--out", str(tmp_path)]
+         + TINY_MODEL + FAST)
+    with open(tmp_path / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["attn"] for r in rows] == ["linear"] and rows[0]["infer_pct_of_floor"] == ""
+    assert "% floor and x timm" not in (tmp_path / "bench.md").read_text()
 
 
 def test_tiled_reference_row_runs_timm_on_tiles(tmp_path):

@@ -199,7 +199,7 @@ def _heading(results: list[Result]) -> list[str]:
     flags = (", compiled" if first.compile else "") + (", gradient checkpointing" if first.grad_checkpointing else "")
     flags += "".join(f", {op} on {name}" for op, name in first.backends)  # --backend
     lines = [f"# visattn-bench: {what}, {first.device}, {first.dtype}{flags}", ""]
-    if not ops:
+    if not ops and any(r.case.attn in (FLOOR, TIMM) for r in results):  # rows without references have no ratio
         lines += ["% floor and x timm: the median over interleaved rounds of the per-round ratio, with its "
                   "interquartile range.", ""]
     band = estimate_band(first.kind, first.device)
