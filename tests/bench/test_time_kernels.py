@@ -83,7 +83,7 @@ def test_an_interpreted_run_tunes_nothing_and_says_so(cpu_run):
     document = json.loads((out / "tuned_configs.json").read_text())
     assert set(document["tables"]) == {m.__name__ for m in time_kernels.TABLE_MODULES.values()}
     assert all(table["entries"] == [] for table in document["tables"].values())
-    assert "TUNED_CONFIGS: dict[tuple[str, int, str], LaunchConfig] = {}" in (out / "tuned_configs.txt").read_text()
+    assert "TUNED_CONFIGS: dict[tuple[str, int, str, str, bool, int], LaunchConfig] = {}" in (out / "tuned_configs.txt").read_text()
     assert not (out / "autotuning.csv").exists()
 
 
@@ -92,8 +92,8 @@ def test_the_literals_are_each_modules_table(monkeypatch):
     Python that builds the same table."""
     linear, axial, local = (time_kernels.TABLE_MODULES[name] for name in ("linear", "axial", "local"))
     tables = {
-        linear: {("state_kernel", 64, "bfloat16"): linear.LaunchConfig(64, 8, 2),
-                 ("output_kernel", 64, "bfloat16"): linear.LaunchConfig(32, 8, 3)},
+        linear: {("state_kernel", 64, "bfloat16", "elu", False, 0): linear.LaunchConfig(64, 8, 2),
+                 ("output_kernel", 64, "bfloat16", "elu", False, 3): linear.LaunchConfig(32, 8, 3)},
         axial: {("rows_forward", 64, 64, "bfloat16"): (64, 8, 2)},
         local: {("window_dq_kernel", 64, "float16"): local.TileConfig(8, 8, 8, 8, 8, 2)},
     }
@@ -102,7 +102,7 @@ def test_the_literals_are_each_modules_table(monkeypatch):
     document = json.loads(json.dumps(time_kernels.tuned_configs("NVIDIA H200")))
     assert document["device"] == "NVIDIA H200"
     text = time_kernels.table_literals(document)
-    assert "    ('output_kernel', 64, 'bfloat16'): LaunchConfig(block_n=32, num_warps=8, num_stages=3),\n" in text
+    assert "    ('output_kernel', 64, 'bfloat16', 'elu', False, 3): LaunchConfig(block_n=32, num_warps=8, num_stages=3),\n" in text
     assert "    ('rows_forward', 64, 64, 'bfloat16'): (64, 8, 2),\n" in text
     for module, table in tables.items():
         block = text.split(f"# {module.__name__.replace('.', '/')}.py\n")[1].split("\n\n")[0]

@@ -37,7 +37,8 @@ def test_the_setting_refuses_anything_else(monkeypatch):
 def test_linear_kernels_launch_with_their_first_candidate(compiled_without_autotuning):
     for name, candidates in linear_triton.AUTOTUNE_CONFIGS.items():
         for block_d, first in ((64, candidates[0]), (128, linear_triton.WIDE_HEAD_CONFIGS[0])):
-            kernel, launch = linear_triton._kernel(name, block_d, torch.bfloat16)
+            flags = {"BLOCK_D": block_d, "FEATURE_MAP": 0, "ROPE": False}
+            kernel, launch = linear_triton._kernel(name, flags, torch.bfloat16)
             assert kernel is getattr(linear_triton.kernels, name)  # the kernel itself, not an autotuner
             assert launch == {"BLOCK_N": first.block_n, "num_warps": first.num_warps, "num_stages": first.num_stages}
 
@@ -68,3 +69,37 @@ def test_axial_kernels_launch_with_their_first_candidate(compiled_without_autotu
     block_q, warps, stages = axial_triton.AUTOTUNE_CONFIGS[0]
     first = {"BLOCK_Q": block_q, "num_warps": warps, "num_stages": stages}
     assert launched == [(axial_triton._KERNELS[kernel], meta | first) for kernel in ("forward", "backward")]
+
+
+def test_linear_table_entries_serve_only_their_feature_map_rope_and_kernel(compiled_without_autotuning, monkeypatch):
+    """A choice is keyed as the autotuning is: the one for elu, no rope and a 3 x 3 locality term is not taken
+    for relu, for rope or for another kernel side (those launch as without an entry: here the first candidate)."""
+    tuned = linear_triton.LaunchConfig(128, 8, 2)
+    monkeypatch.setattr(linear_triton, "TUNED_CONFIGS", {("output_kernel", 64, "bfloat16", "elu", False, 3): tuned})
+    first = linear_triton.AUTOTUNE_CONFIGS["output_kernel"][0]
+    elu = {"BLOCK_D": 64, "FEATURE_MAP": linear_triton.FEATURE_MAP_CODES["elu"], "ROPE": False}
+    relu = elu | {"FEATURE_MAP": linear_triton.FEATURE_MAP_CODES["relu"]}
+    for flags, size, expected in ((elu, 3, tuned), (relu, 3, first), (elu | {"ROPE": True}, 3, first), (elu, 5, first)):
+        _, launch = linear_triton._kernel("output_kernel", flags, torch.bfloat16, size)
+        assert launch["BLOCK_N"] == expected.block_n and launch["num_warps"] == expected.num_warps, (flags, size)
+
+
+def test_linear_autotuning_choices_come_back_as_table_entries(compiled_without_autotuning, monkeypatch):
+    """Triton's autotuner caches a choice under the values of its key arguments, then the tensor arguments'
+    dtypes; each becomes the TUNED_CONFIGS entry that ``_kernel`` looks up for the same launch."""
+    import triton
+
+    class Tuner:
+        def __init__(self, cache):
+            self.cache = cache
+
+    chosen = triton.Config({"BLOCK_N": 64}, num_warps=8, num_stages=3)
+    monkeypatch.setattr(linear_triton, "_AUTOTUNED", raising=False, value={
+        ("output_kernel", False): Tuner({(64, 1, True, 3, "torch.bfloat16", "torch.float32"): chosen}),
+        ("state_kernel", False): Tuner({(64, 0, False, "torch.float16", "torch.float32"): chosen}),
+    })
+    expected = linear_triton.LaunchConfig(64, 8, 3)
+    assert linear_triton.autotuned_configs() == {
+        ("output_kernel", 64, "bfloat16", "relu", True, 3): expected,
+        ("state_kernel", 64, "float16", "elu", False, 0): expected,
+    }

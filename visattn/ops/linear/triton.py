@@ -81,9 +81,11 @@ AUTOTUNE_CONFIGS = {
 WIDE_HEAD_CONFIGS = (LaunchConfig(16, 4, 1), LaunchConfig(32, 8, 1), LaunchConfig(32, 8, 2))
 MAX_HEAD_DIM = 128
 MAX_TOKENS = 65535 * 16  # CUDA's limit of a grid's second axis, in blocks of at least 16 tokens
-# (kernel name, BLOCK_D, dtype name) -> the configuration a GPU's autotuning chose (:func:`autotuned_configs`),
-# so that no later run spends time autotuning. Filled in from GPU runs.
-TUNED_CONFIGS: dict[tuple[str, int, str], LaunchConfig] = {}
+# (kernel name, BLOCK_D, dtype name, feature map, rope, locality kernel side or 0) -> the configuration a GPU's
+# autotuning chose (:func:`autotuned_configs`), so that no later run spends time autotuning: keyed as the autotuning
+# is (AUTOTUNE_KEYS), so a choice made for one feature map, rope or kernel size serves only that one. The locality
+# kernel side is 0 for the kernels that do not take it. Filled in from GPU runs.
+TUNED_CONFIGS: dict[tuple[str, int, str, str, bool, int], LaunchConfig] = {}
 AUTOTUNE_KEYS = {
     "state_kernel": ["BLOCK_D", "FEATURE_MAP", "ROPE"],
     "output_kernel": ["BLOCK_D", "FEATURE_MAP", "ROPE", "KERNEL"],
@@ -108,12 +110,18 @@ if HAS_TRITON and not INTERPRETED:
     }
 
 
-def _kernel(name: str, block_d: int, dtype: torch.dtype):
+def _table_key(name: str, flags: dict, dtype_name: str, kernel_size: int) -> tuple[str, int, str, str, bool, int]:
+    """The :data:`TUNED_CONFIGS` key of a launch of ``name`` with the constants ``flags`` (:func:`_flags`)."""
+    feature_map = next(map_name for map_name, code in FEATURE_MAP_CODES.items() if code == flags["FEATURE_MAP"])
+    return name, flags["BLOCK_D"], dtype_name, feature_map, bool(flags["ROPE"]), kernel_size
+
+
+def _kernel(name: str, flags: dict, dtype: torch.dtype, kernel_size: int = 0):
     """The kernel ``name`` and its launch keywords: the fixed configuration when interpreted, the table's
     entry if any, else the autotuned kernel (which picks BLOCK_N, warps and stages itself), or its first
     candidate where autotuning is off (:mod:`visattn.ops.triton_support`)."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    config = INTERPRETED_CONFIG if INTERPRETED else TUNED_CONFIGS.get((name, block_d, dtype_name))
+    block_d, dtype_name = flags["BLOCK_D"], str(dtype).removeprefix("torch.")
+    config = INTERPRETED_CONFIG if INTERPRETED else TUNED_CONFIGS.get(_table_key(name, flags, dtype_name, kernel_size))
     if config is None and not AUTOTUNE:  # the first candidate (triton_support says when)
         config = (WIDE_HEAD_CONFIGS if block_d > 64 else AUTOTUNE_CONFIGS[name])[0]
     if config is None:
@@ -124,14 +132,16 @@ def _kernel(name: str, block_d: int, dtype: torch.dtype):
     return wrap_triton(getattr(kernels, name)), launch
 
 
-def autotuned_configs() -> dict[tuple[str, int, str], LaunchConfig]:
+def autotuned_configs() -> dict[tuple[str, int, str, str, bool, int], LaunchConfig]:
     """What this process's autotuning chose, as :data:`TUNED_CONFIGS` entries (to print after a GPU run)."""
     chosen = {}
     for (name, _), tuner in (_AUTOTUNED.items() if HAS_TRITON and not INTERPRETED else ()):
         for key, config in tuner.cache.items():
-            dtypes = [k for k in key if isinstance(k, str) and k.startswith("torch.")]
-            entry = LaunchConfig(config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
-            chosen[(name, key[0], dtypes[0].removeprefix("torch."))] = entry
+            # the autotuning key: the values of AUTOTUNE_KEYS[name], then the tensor arguments' dtypes
+            values = dict(zip(AUTOTUNE_KEYS[name], key))
+            dtype = next(k for k in key[len(values):] if isinstance(k, str) and k.startswith("torch."))
+            table_key = _table_key(name, values, dtype.removeprefix("torch."), values.get("KERNEL", 0))
+            chosen[table_key] = LaunchConfig(config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
     return chosen
 
 
@@ -198,14 +208,14 @@ def _forward(
     flags = _flags(feature_map, rope, qkv.dtype, d)
     rope_args = _rope_args(rope, state)
     partials = _partials(state, batch * num_heads, programs[1])
-    kernel, launch = _kernel("state_kernel", flags["BLOCK_D"], qkv.dtype)
+    kernel, launch = _kernel("state_kernel", flags, qkv.dtype)
     kernel[programs](
         qkv, rope_args[0], partials, n, c, d, num_heads, *qkv.stride(), *rope_args[1:], SEGMENT=SEGMENT, **flags,
         **launch,
     )
     _sum_partials(partials, state)
     weight, bias, *weight_strides, size = _conv_args(conv_weight, conv_bias, state)
-    kernel, launch = _kernel("output_kernel", flags["BLOCK_D"], qkv.dtype)
+    kernel, launch = _kernel("output_kernel", flags, qkv.dtype, size)
     kernel[lambda meta: (batch * num_heads, triton.cdiv(n, meta["BLOCK_N"]))](
         qkv, state, rope_args[0], weight, bias, out, n, c, d, num_heads, eps, *qkv.stride(), *rope_args[1:],
         *out.stride(), *weight_strides, num_prefix_tokens, grid_h, grid_w, KERNEL=size,
@@ -238,7 +248,7 @@ def _backward(
     rope_args = _rope_args(rope, state)
     grad_state = torch.empty_like(state)
     partials = _partials(grad_state, batch * num_heads, programs[1])
-    kernel, launch = _kernel("grad_query_kernel", flags["BLOCK_D"], qkv.dtype)
+    kernel, launch = _kernel("grad_query_kernel", flags, qkv.dtype)
     kernel[programs](
         qkv, state, rope_args[0], grad_out, grad_qkv, partials, n, c, d, num_heads, eps, *qkv.stride(),
         *rope_args[1:], *grad_out.stride(), *grad_qkv.stride(), **flags, **launch,
@@ -246,7 +256,7 @@ def _backward(
     _sum_partials(partials, grad_state)
     weight, _, *weight_strides, size = _conv_args(conv_weight, None, state)
     conv_partials = state.new_empty(batch * programs[1], *grad_conv.shape) if size else state
-    kernel, launch = _kernel("grad_key_value_kernel", flags["BLOCK_D"], qkv.dtype)
+    kernel, launch = _kernel("grad_key_value_kernel", flags, qkv.dtype, size)
     kernel[programs](
         qkv, grad_state, rope_args[0], weight, grad_out, grad_qkv, conv_partials, n, c, d, num_heads, *qkv.stride(),
         *rope_args[1:], *grad_out.stride(), *grad_qkv.stride(), *weight_strides, num_prefix_tokens, grid_h, grid_w,
