@@ -103,3 +103,24 @@ def test_linear_autotuning_choices_come_back_as_table_entries(compiled_without_a
         ("output_kernel", 64, "bfloat16", "relu", True, 3): expected,
         ("state_kernel", 64, "float16", "elu", False, 0): expected,
     }
+
+
+def test_local_autotuning_keeps_the_first_windows_choice(compiled_without_autotuning, monkeypatch):
+    """The autotuning's key holds the window, the table's does not: the first window tuned (neighborhood's
+    7 x 7 in scripts/time_kernels.py) gives the entry, a later window's choice does not replace it."""
+    import triton
+
+    class Tuner:
+        def __init__(self, cache):
+            self.cache = cache
+
+    first = triton.Config({"QH": 8, "QW": 8, "KH": 4, "KW": 16}, num_warps=4, num_stages=2)
+    later = triton.Config({"QH": 8, "QW": 16, "KH": 8, "KW": 16}, num_warps=8, num_stages=2)
+    cache = {  # DIM, DIM_V, row_a, row_c, col_a, col_c, ROW_BLOCK, COL_BLOCK, BLOCK_P, then the dtypes
+        (64, 64, 3, 7, 3, 7, 0, 0, 16, "torch.bfloat16"): first,  # a 7 x 7 neighbourhood
+        (64, 64, 3, 0, 3, 0, 8, 8, 16, "torch.bfloat16"): later,  # blocks of 8, halo 3
+    }
+    monkeypatch.setattr(local_triton, "_AUTOTUNED", raising=False, value={"window_forward_kernel": Tuner(cache)})
+    assert local_triton.autotuned_configs() == {
+        ("window_forward_kernel", 64, "bfloat16"): local_triton.TileConfig(8, 8, 4, 16, 4, 2),
+    }

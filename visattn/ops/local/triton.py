@@ -112,14 +112,16 @@ def _launch(name: str, block_d: int, dtype: torch.dtype):
 
 
 def autotuned_configs() -> dict[tuple[str, int, str], TileConfig]:
-    """What this process's autotuning chose, as :data:`TUNED_CONFIGS` entries (to print after a GPU run)."""
+    """What this process's autotuning chose, as :data:`TUNED_CONFIGS` entries (to print after a GPU run). The
+    autotuning's key also holds the window, the table's does not: where several windows were tuned, an entry
+    keeps the first one's choice (scripts/time_kernels.py tunes neighborhood's 7 x 7 first)."""
     chosen = {}
     for name, tuner in (_AUTOTUNED.items() if HAS_TRITON and not INTERPRETED else ()):
         for key, config in tuner.cache.items():
             dtype = next(k for k in key if isinstance(k, str) and k.startswith("torch."))
             tiles = (config.kwargs[field] for field in ("QH", "QW", "KH", "KW"))
             entry = TileConfig(*tiles, config.num_warps, config.num_stages)
-            chosen[(name, _block_d(key[0]), dtype.removeprefix("torch."))] = entry
+            chosen.setdefault((name, _block_d(key[0]), dtype.removeprefix("torch.")), entry)
     return chosen
 
 
