@@ -2,27 +2,43 @@
 token order they read (raster, or FlexAttention's tile order kept between the layers by the model)."""
 from __future__ import annotations
 
+import threading
 from abc import abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from visattn.layers.base import GridAttention
 from visattn.layers.cost import CostCase, MixingMemory, local_memory, windowed_flops
-from visattn.ops.backends import needs_autograd
 from visattn.ops.local import AxisPlan, AxisTiling, FlexLayout, flex_layout, planned_local_backend
+
+# The layers that run on tokens in tile order now, per thread: a model shared by threads (a server's
+# concurrent forwards) must not see another thread's order. A thread-local, not a ContextVar: torch.compile
+# traces reading and setting it.
+_tile_ordered = threading.local()
+
+
+def set_tile_ordered(layers: Sequence[GridAttention]) -> tuple[GridAttention, ...]:
+    """Makes ``layers`` read and write tokens in tile order on this thread; returns the layers that did
+    before, to restore with the same function."""
+    previous = getattr(_tile_ordered, "layers", ())
+    _tile_ordered.layers = tuple(layers)
+    return previous
 
 
 class LocalWindowAttention(GridAttention):
     """A type whose patches attend within a window that is a product of one window per grid axis (its op
     runs :func:`visattn.ops.local.tiled_local_attn`); prefix tokens attend to all tokens.
 
-    ``token_order`` is ``"raster"`` (x is (B, P + H * W, C)) unless the model's blocks run with the tokens
-    in FlexAttention's tile order (:class:`visattn.models.tile_order.TileOrderBlocks` sets ``"tile"`` for
-    the run: x is then (B, S, C) in the slots of :meth:`tile_layout`)."""
+    Its input and output are in raster order (x is (B, P + H * W, C)) unless the model's blocks run with
+    the tokens in FlexAttention's tile order (:class:`visattn.models.tile_order.TileOrderBlocks`, through
+    :func:`set_tile_ordered`): x then holds the same tokens in the slots of :meth:`tile_layout`."""
 
-    token_order: str = "raster"
+    @property
+    def token_order(self) -> str:
+        """``"tile"`` while this thread's model runs its blocks in tile order, else ``"raster"``."""
+        return "tile" if any(layer is self for layer in getattr(_tile_ordered, "layers", ())) else "raster"
 
     @abstractmethod
     def window_plans(self, grid: tuple[int, int], device: torch.device) -> tuple[AxisPlan, AxisPlan]:
@@ -36,13 +52,9 @@ class LocalWindowAttention(GridAttention):
             return None
         rows, cols = self.window_plans(self.grid, x.device)
         p = self.num_prefix_tokens
-        path = planned_local_backend(x.device, needs_autograd(x, self.qkv.weight), self.dropout_p, rows, cols, p, False)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in self.parameters()))
+        path = planned_local_backend(x.device, needs_grad, self.dropout_p, rows, cols, p, False)
         return flex_layout(rows, cols, p, False) if path == "flex" else None
-
-    def _checked_grid(self, num_tokens: int) -> tuple[int, int] | None:
-        if self.token_order == "tile":  # the op checks the tokens against the layout's slots
-            return super()._checked_grid(self.num_prefix_tokens + self.grid[0] * self.grid[1])
-        return super()._checked_grid(num_tokens)
 
     @staticmethod
     @abstractmethod

@@ -4,16 +4,19 @@ A local layer on FlexAttention (:mod:`visattn.ops.local.flex`) permutes q, k and
 output back: four gathers of (B, N, C) per layer. Every other part of a block (norms, MLP, residuals,
 layer scale, drop path) treats each token alike, so where every block's attention takes that path with
 the same slots, :class:`TileOrderBlocks` permutes the tokens once before the first block and once after
-the last, and the layers read and write tile order (``token_order="tile"``). The result is the same
-function: a padding slot (where a grid side is not a whole number of tiles) repeats a real token, is
-never a key, and is dropped at the end.
+the last, and the layers read and write tile order. It is the same function.
+
+Only where the layout has no padding slot (S = N: the grid a whole number of tiles, the prefix tokens run
+apart or absent, as the tile-aligned options lay them out on such grids): a padding slot would carry the
+norms, projections and MLP of every block, and keep their activations, for no token.
 
 :func:`visattn.convert` puts the model's blocks in a :class:`TileOrderBlocks` when a converted layer is
 local (``neighborhood`` or ``sparse``). Each forward decides anew: the tokens stay in raster order on the
-CPU, with dropout, with rope, where the types or windows of the blocks put the tokens in different slots,
-where a backend other than ``flex`` is forced, and with ``keep_tile_order = False``. Paths that call the
-blocks one by one (timm's ``forward_intermediates``, gradient checkpointing through ``checkpoint_seq``)
-run them in raster order, each layer permuting for itself.
+CPU, with dropout, with rope, where the windows of the blocks put the tokens in different slots, where the
+layout pads, where a backend other than ``flex`` is forced, and with ``keep_tile_order = False``. Paths that
+call the blocks one by one (timm's ``forward_intermediates``, gradient checkpointing through
+``checkpoint_seq``) run them in raster order, each layer permuting for itself. The order is set per thread,
+so threads sharing a model each run their own.
 """
 from __future__ import annotations
 
@@ -22,23 +25,23 @@ import logging
 import torch
 import torch.nn as nn
 
-from visattn.layers.local import LocalWindowAttention
+from visattn.layers.local import LocalWindowAttention, set_tile_ordered
 from visattn.ops.local import FlexLayout
 
 _log = logging.getLogger(__name__)
-_logged: set[tuple[int, ...]] = set()
+_logged: set[tuple[int, int, int, int, int, bool]] = set()
 
 
-def shared_tile_layout(layers: list[nn.Module], x: torch.Tensor) -> FlexLayout | None:
-    """The layout whose slots every layer's op would permute ``x`` (B, P + H * W, C) into, where all of them
-    are local layers on FlexAttention with the same slots (:attr:`visattn.ops.local.FlexLayout.order`);
-    else None."""
+def shared_tile_layout(layers: list[nn.Module | None], x: torch.Tensor) -> FlexLayout | None:
+    """The layout whose slots every layer's op would permute ``x`` (B, N, C) into, where all of them are
+    local layers on FlexAttention with the same slots (:attr:`visattn.ops.local.FlexLayout.slot_key`) and
+    the layout has no padding slot (S = N); else None."""
     if not layers or not all(isinstance(layer, LocalWindowAttention) for layer in layers):
         return None
     layouts = [layer.tile_layout(x) for layer in layers]
-    if any(layout is None for layout in layouts) or len({layout.order for layout in layouts}) > 1:
+    if any(layout is None for layout in layouts) or len({layout.slot_key for layout in layouts}) > 1:
         return None
-    return layouts[0]
+    return layouts[0] if layouts[0].num_slots == x.shape[1] else None
 
 
 class TileOrderBlocks(nn.Sequential):
@@ -47,30 +50,38 @@ class TileOrderBlocks(nn.Sequential):
 
     keep_tile_order: bool = True  # False: every layer permutes for itself (to compare the two)
 
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        if isinstance(item, TileOrderBlocks):  # a slice (timm's pruning, forward_intermediates) keeps the setting
+            item.keep_tile_order = self.keep_tile_order
+        return item
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, N, C) in raster order -> (B, N, C) in raster order."""
-        layers = [block.attn for block in self]
+        layers = [getattr(block, "attn", None) for block in self]
         layout = shared_tile_layout(layers, x) if self.keep_tile_order else None
         if layout is None:
             return super().forward(x)
-        if not torch.compiler.is_compiling() and layout.order not in _logged:
-            _logged.add(layout.order)
-            _log.debug("blocks: tokens in tile order %s for all %d blocks", layout.order, len(layers))
-        for layer in layers:
-            layer.token_order = "tile"
+        if not torch.compiler.is_compiling() and layout.slot_key not in _logged:
+            _logged.add(layout.slot_key)
+            _log.debug("blocks: tokens in tile order %s for all %d blocks", layout.slot_key, len(layers))
+        previous = set_tile_ordered(layers)
         try:
-            x = super().forward(x.index_select(1, layout.slot_token))  # (B, S, C)
+            x = super().forward(x.index_select(1, layout.slot_token))
         finally:
-            for layer in layers:
-                layer.token_order = "raster"
+            set_tile_ordered(previous)
         return x.index_select(1, layout.token_slot)
 
 
 def keep_tokens_in_tile_order(model: nn.Module) -> None:
     """Puts ``model.blocks`` (an ``nn.Sequential``) in a :class:`TileOrderBlocks` where a block's attention is
-    local; the blocks themselves are kept, so parameters, optimizer state and state-dict keys stay valid."""
+    local, and takes them out of it where none is; the blocks themselves are kept, so parameters, optimizer
+    state and state-dict keys stay valid."""
     blocks = model.blocks
-    if isinstance(blocks, TileOrderBlocks) or type(blocks) is not nn.Sequential:
+    if not isinstance(blocks, nn.Sequential):
         return
-    if any(isinstance(block.attn, LocalWindowAttention) for block in blocks):
+    local = any(isinstance(getattr(block, "attn", None), LocalWindowAttention) for block in blocks)
+    if local and type(blocks) is nn.Sequential:
         model.blocks = TileOrderBlocks(*blocks)
+    elif not local and isinstance(blocks, TileOrderBlocks):
+        model.blocks = nn.Sequential(*blocks)

@@ -23,7 +23,7 @@ from visattn.ops.checks import check_dropout, check_positive_int, check_qkv
 from visattn.ops.local import (
     ALIGNED_TILE,
     AxisPlan,
-    check_grid_in_order,
+    check_grid_for_order,
     check_tile_alignment,
     naive_masked_attn,
     neighborhood_axis,
@@ -77,7 +77,7 @@ def neighborhood_attn(
     check_positive_int(kernel_size, "kernel_size", "neighborhood_attn", odd=True)
     check_positive_int(tile_size, "tile_size", "neighborhood_attn")
     tile = check_tile_alignment(tile_aligned, aligned_tile, "neighborhood_attn")
-    H, W = check_grid_in_order(grid, q.shape[2], num_prefix_tokens, token_order, "neighborhood_attn")
+    H, W = check_grid_for_order(grid, q.shape[2], num_prefix_tokens, token_order, "neighborhood_attn")
     rows, cols = neighborhood_plans((H, W), kernel_size, tile_size, tile, q.device)
     return tiled_local_attn(
         q, k, v, rows, cols, num_prefix_tokens=num_prefix_tokens, dropout_p=dropout_p, scale=scale, backend=backend,

@@ -23,7 +23,7 @@ from visattn.ops.local import (
     ALIGNED_TILE,
     AxisPlan,
     blocked_axis,
-    check_grid_in_order,
+    check_grid_for_order,
     check_tile_alignment,
     naive_masked_attn,
     separable_grid_mask,
@@ -75,7 +75,7 @@ def sparse_attn(
     check_positive_int(block_size, "block_size", "sparse_attn")
     check_nonnegative_int(halo, "halo", "sparse_attn")
     tile = check_tile_alignment(tile_aligned, aligned_tile, "sparse_attn")
-    H, W = check_grid_in_order(grid, q.shape[2], num_prefix_tokens, token_order, "sparse_attn")
+    H, W = check_grid_for_order(grid, q.shape[2], num_prefix_tokens, token_order, "sparse_attn")
     rows, cols = sparse_plans((H, W), block_size, halo, tile, q.device)
     return tiled_local_attn(
         q, k, v, rows, cols, num_prefix_tokens=num_prefix_tokens, dropout_p=dropout_p, scale=scale, backend=backend,

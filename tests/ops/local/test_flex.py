@@ -182,6 +182,8 @@ def test_tile_order_refuses_other_paths_orders_and_token_counts():
         ops.neighborhood_attn(q, q, q, grid, 3, token_order="tiles")
     with pytest.raises(ValueError, match="tokens in tile order take backend 'flex', got 'gathered'"):
         ops.sparse_attn(q, q, q, grid, 3, 1, token_order="tile", backend="gathered")
+    with force_backend("local", "dense"), pytest.raises(ValueError, match="take backend 'flex', got 'dense'"):
+        ops.sparse_attn(q, q, q, grid, 3, 1, token_order="tile")
     with pytest.raises(ValueError, match="in tile order q, k, v hold the layout's 128 slots, got 63 tokens"):
         ops.neighborhood_attn(q, q, q, grid, 3, token_order="tile")
 

@@ -9,7 +9,7 @@
                 (kernels in triton_kernels.py)
     naive.py    explicit N x N scores with a mask, the naive twin every op is compared with
 """
-from visattn.ops.local.engine import LOCAL_PATHS, check_grid_in_order, planned_local_backend, tiled_local_attn
+from visattn.ops.local.engine import LOCAL_PATHS, check_grid_for_order, planned_local_backend, tiled_local_attn
 from visattn.ops.local.flex import TOKEN_ORDERS, FlexLayout, flex_layout
 from visattn.ops.local.naive import naive_masked_attn, separable_grid_mask, with_prefix_tokens
 from visattn.ops.local.plans import (
@@ -39,7 +39,7 @@ __all__ = [
     "blocked_axis",
     "blocked_tiling",
     "check_aligned_tile",
-    "check_grid_in_order",
+    "check_grid_for_order",
     "check_tile_alignment",
     "flex_layout",
     "naive_masked_attn",

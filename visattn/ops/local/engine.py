@@ -202,7 +202,7 @@ LOCAL_PATHS = {
 }
 
 
-def check_grid_in_order(
+def check_grid_for_order(
     grid: tuple[int, int], num_tokens: int, num_prefix_tokens: int, token_order: str, op: str
 ) -> tuple[int, int]:
     """(H, W) of a local op's grid: in raster order the tokens must be P + H * W; in tile order they are
@@ -278,9 +278,10 @@ def tiled_local_attn(
     """
     check_token_order(token_order, "tiled_local_attn")
     p = num_prefix_tokens
-    if token_order == "tile":
-        if backend not in (None, "flex"):
-            raise ValueError(f"tiled_local_attn: tokens in tile order take backend 'flex', got {backend!r}")
+    if token_order == "tile":  # flex is the one path that reads tokens in tile order
+        name = select_backend("local", backend, lambda: "flex")
+        if name != "flex":
+            raise ValueError(f"tiled_local_attn: tokens in tile order take backend 'flex', got {name!r}")
         return _flex_path(q, k, v, rows, cols, p, prefix_visible, dropout_p, scale, token_order)
     name = select_backend(
         "local", backend, _chooser(q.device, needs_autograd(q, k, v), dropout_p, rows, cols, p, prefix_visible)

@@ -70,6 +70,7 @@ _compiled_flex_attention = None
 
 
 def check_token_order(token_order: str, op: str) -> None:
+    """A local op's ``token_order`` must be one of :data:`TOKEN_ORDERS`."""
     if token_order not in TOKEN_ORDERS:
         raise ValueError(f"{op}: token_order must be one of {', '.join(TOKEN_ORDERS)}, got {token_order!r}")
 
@@ -115,7 +116,7 @@ class FlexLayout:
     """The tokens in tile order and the block mask over them. Slot s of the permuted sequence reads
     token ``slot_token[s]``; token t's output is slot ``token_slot[t]``. FlexAttention runs over the first
     ``attended`` slots; where the prefix queries run apart (the slots after those), they attend to every
-    slot, but the padding ones where ``prefix_keys`` says so. Two layouts with the same ``order`` put the
+    slot, but the padding ones where ``prefix_keys`` says so. Two layouts with the same ``slot_key`` put the
     tokens in the same slots (their windows, and so their block masks, may differ). Cached and compared by
     identity."""
 
@@ -123,7 +124,7 @@ class FlexLayout:
     slot_token: torch.Tensor  # (S,) long, S = flex_slots(...): the prefix slots and the padded grid
     token_slot: torch.Tensor  # (N,) long
     attended: int
-    order: tuple[int, int, int, int, int, bool]  # (H, W, P, th, tw, prefix apart): what the slots depend on
+    slot_key: tuple[int, int, int, int, int, bool]  # (H, W, P, th, tw, prefix apart): what the slots depend on
     prefix_keys: torch.Tensor | None = None  # (1, 1, 1, S) bool: the real slots, where the grid is padded
 
     @property
@@ -290,20 +291,18 @@ def flex_local_attn(
             raise ValueError(
                 f"flex_local_attn: in tile order q, k, v hold the layout's {layout.num_slots} slots, got {q.shape[2]} tokens"
             )
-        return _attend_slots(q, k, v, layout, p, scale)
+        return _attend_slots(q, k, v, layout, scale)
     heads = q.shape[1]
 
     def tile_order(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # (B, heads, N, d) -> (B, heads, S, d)
         return split_heads(merge_heads(t).index_select(1, slots), heads)
 
     queries, keys, values = (tile_order(t, layout.slot_token) for t in (q, k, v))
-    out = _attend_slots(queries, keys, values, layout, p, scale)
+    out = _attend_slots(queries, keys, values, layout, scale)
     return out.transpose(1, 2).index_select(1, layout.token_slot).transpose(1, 2)
 
 
-def _attend_slots(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayout, num_prefix_tokens: int, scale: float | None
-) -> torch.Tensor:
+def _attend_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayout, scale: float | None) -> torch.Tensor:
     """Attention over the tokens in ``layout``'s slots: (B, heads, S, d) -> (B, heads, S, d_v)."""
     attended = layout.attended
     out = _attend(q[:, :, :attended], k[:, :, :attended], v[:, :, :attended], layout.block_mask, scale)
