@@ -197,26 +197,40 @@ def test_tile_aligned_windows_count_their_tiles(name, monkeypatch):
     assert cuda == MixingMemory(infer=4 * 3201 * c * 2 + 4 * 6 * 3201, train=4 * 3201 * c * 2 + 4 * 6 * 3201)
 
 
-@pytest.mark.parametrize("p", [1, 0], ids=["p1", "p0"])
-def test_linformer_memory_is_what_autograd_keeps_where_the_tokens_are_projected_first(p):
-    """The default path (k < H W, no key norm), batch 2, fp32: the storages saved for the backward besides
-    the layer's input and its parameters (the block counts those) are the formula's to the byte: the
-    batch's share of the training figure and, once, the two projections with their prefix rows. (With a
-    qkv bias the 2 (P + k) row sums that scale it are kept too, a few bytes the formula leaves out.)"""
-    batch, dim, heads, grid, k = 2, 32, 2, (8, 10), 16
+LINFORMER_MEMORY_CASES = [  # (grid, P, k, autocast): the tokens projected first (k < H W), then the keys
+    ((8, 10), 1, 16, False), ((8, 10), 0, 16, False), ((8, 10), 1, 16, True), ((4, 5), 1, 24, False),
+]
+
+
+@pytest.mark.parametrize(
+    "grid, p, k, autocast", LINFORMER_MEMORY_CASES, ids=["first-p1", "first-p0", "first-p1-bf16", "keys-p1"]
+)
+def test_linformer_memory_is_what_autograd_keeps(grid, p, k, autocast):
+    """Batch 2, fp32 or under bf16 autocast on the CPU: the storages saved for the backward besides the layer's
+    input and its parameters (the block counts those), and under autocast the bf16 casts of both (any layer's
+    qkv projection keeps those; the model's estimate leaves the weights' out), are the formula's to the byte: the batch's share of the training figure and, once, the two
+    projections with their prefix rows. (With a qkv bias the 2 (P + k) row sums that scale it are kept too, a
+    few bytes the formula leaves out.)"""
+    batch, dim, heads = 2, 32, 2
     layer = get_attention("linformer")(dim, heads, k=k, ref_grid=grid)
     layer.set_grid(grid, p)
     x = torch.randn(batch, p + grid[0] * grid[1], dim, requires_grad=True)
     storages: dict[int, int] = {}
+    casts = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.dtype == torch.bfloat16 and t.shape in (x.shape, (dim, dim)):  # x, or a C x C block of qkv's weight
+            casts.append((tuple(t.shape), t.untyped_storage().data_ptr()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer.project_and_mix(x, grid, None, False)
-    kept_elsewhere = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            layer.project_and_mix(x, grid, None, False)
+    kept_elsewhere = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())} | {ptr for _, ptr in casts}
+    assert sum(shape == tuple(x.shape) for shape, _ in set(casts)) == (1 if autocast else 0)  # x cast once
     saved = sum(size for pointer, size in storages.items() if pointer not in kept_elsewhere)
     options = attention_options("linformer", {"k": k}, grid)
-    memory = layer.mixing_memory(CostCase(TokenLayout(grid, p), heads, dim // heads, options, act_bytes=4))
+    case = CostCase(TokenLayout(grid, p), heads, dim // heads, options, act_bytes=2 if autocast else 4)
+    memory = layer.mixing_memory(case)
     assert saved == batch * memory.train + memory.shared

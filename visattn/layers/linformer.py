@@ -74,6 +74,9 @@ class LinformerAttention(GridAttention):
         if not isinstance(self.k_norm, nn.Identity) or self.k >= grid[0] * grid[1]:
             return super().project_and_mix(x, grid, attn_mask, is_causal)
         C = x.shape[-1]
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):  # one cast of x for both products, in the dtype they run in
+            x = x.to(torch.get_autocast_dtype(device_type))
         weight, bias = self.qkv.weight, self.qkv.bias
         q = F.linear(x, weight[:C], None if bias is None else bias[:C])
         keys, values = project_keys_values(
@@ -117,14 +120,18 @@ class LinformerAttention(GridAttention):
     @classmethod
     def mixing_memory(cls, case: CostCase) -> MixingMemory:
         """Projected keys and values ((P + k) x C each, the prefix tokens' among them) and the output. The
-        backward keeps q and the output, and, where the tokens are projected first (k < H W, see
-        :meth:`project_and_mix`; counted without a key norm), the projected tokens of the two projections
-        and the keys and values made from them, each (P + k) x C: 2 N C + 4 (P + k) C; else q, k, v of all
-        N tokens: 4 N C + 4 (P + k) C; SDPA's fp32 log-sum-exp per query and head beside them. Each block resamples its two (k, H W) projections, shared by the
-        batch, and runs them with P identity rows for the prefix tokens, (P + k) x N each; the backward
-        keeps those."""
+        backward keeps the output, SDPA's fp32 log-sum-exp per query and head, and, where the tokens are
+        projected first (k < H W, see :meth:`project_and_mix`; counted without a key norm), q and the
+        projected tokens of the two projections and the keys and values made from them, each (P + k) x C:
+        2 N C + 4 (P + k) C; else q, k, v, views of the whole qkv projection, and the keys and values:
+        4 N C + 2 (P + k) C. Each block resamples its two (k, H W) projections, shared by the batch, and runs
+        them with P identity rows for the prefix tokens, (P + k) x N each in the activations' dtype; the
+        backward keeps those."""
         k, n, c, act_bytes = case.options["k"], case.layout.num_tokens, case.dim, case.act_bytes
         rows = case.layout.num_prefix_tokens + k  # P + k keys and values
-        projected_first = k < case.layout.num_patches
-        train = ((2 if projected_first else 4) * n * c + 4 * rows * c) * act_bytes + 4 * case.num_heads * n
-        return MixingMemory(infer=(n * c + 4 * rows * c) * act_bytes, train=train, shared=2 * rows * n * 4)
+        kept = 2 * n * c + 4 * rows * c if k < case.layout.num_patches else 4 * n * c + 2 * rows * c
+        return MixingMemory(
+            infer=(n * c + 4 * rows * c) * act_bytes,
+            train=kept * act_bytes + 4 * case.num_heads * n,
+            shared=2 * rows * n * act_bytes,
+        )

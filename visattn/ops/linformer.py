@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from visattn.ops.checks import check_dropout, check_grid_size, check_positive_int, check_qkv
+from visattn.ops.layout import merge_heads, split_heads
 from visattn.ops.local.naive import naive_masked_attn
 
 
@@ -84,9 +85,21 @@ def linformer_attn(
     check_qkv(q, k, v, "linformer_attn")
     check_dropout(dropout_p, "linformer_attn")
     _check_projections(q, proj_k, proj_v, num_prefix_tokens, "linformer_attn")
-    keys = _with_prefix_rows(proj_k.to(k.dtype), num_prefix_tokens) @ k  # (P + k, N) @ (B, heads, N, d)
-    values = _with_prefix_rows(proj_v.to(v.dtype), num_prefix_tokens) @ v  # -> (B, heads, P + k, d)
+    keys = _project_tokens(_with_prefix_rows(proj_k.to(k.dtype), num_prefix_tokens), k)  # (B, heads, P + k, d)
+    values = _project_tokens(_with_prefix_rows(proj_v.to(v.dtype), num_prefix_tokens), v)
     return F.scaled_dot_product_attention(q, keys, values, dropout_p=dropout_p, scale=scale)
+
+
+def _project_tokens(proj: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``proj @ t`` along the tokens, (R, N) @ (B, heads, N, d) -> (B, heads, R, d), without a copy of ``t``
+    (which autograd would keep): a view of a qkv projection is token-major, so its heads cannot fold into
+    the batch of a matmul, but its (B, N, C) view multiplies in one batched product."""
+    heads = t.shape[1]
+    tokens = t.transpose(1, 2)  # (B, N, heads, d)
+    if tokens.stride(3) == 1 and tokens.stride(2) == t.shape[3]:  # heads side by side in each token's row
+        projected = torch.bmm(proj.expand(t.shape[0], -1, -1), merge_heads(t))  # (B, R, C)
+        return split_heads(projected, heads)
+    return proj @ t
 
 
 def project_keys_values(
