@@ -19,8 +19,7 @@ export PYTHONUNBUFFERED=1  # a stage stopped at its limit keeps the log it print
 PY=${PYTHON:-python3}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # The check: about 445 s of stages on an H200, an estimate: the cuda tests and the kernels at their limits (150 s,
-# 60 s; the cuda tests took 106 s at half today's count, the new ones compile Triton kernels) and the benchmark
-# stages' 235 s of docs/results/2026-11-27-h200-check.md (where FlexAttention compiled in the rows the Triton kernels
+# 60 s; 129 cuda tests, many of which compile Triton kernels: 60 of them took 106 s) and the benchmark stages' 235 s of docs/results/2026-11-27-h200-check.md (where FlexAttention compiled in the rows the Triton kernels
 # take now, their compiled kernels cached by the kernels stage). When named: the rows on the paths before the kernels
 # (about 35 and 30 s), the tile-aligned rows (aligned_2048, aligned_1024, aligned_train_1024), the training run
 # (99 s there), the kernel profiles (75 s), max_tokens (over 225 s) and compile_1024.

@@ -23,8 +23,8 @@ Accounting per call (B images, N = P + H W tokens, C = heads x d, e bytes per el
 - FLOPs: the layer's cost model (``mixing_flops``, the benchmark's count) times B, and three times that for
   forward + backward (each product has two products in its backward; recomputation is not counted).
 
-Once every row is timed, each op's triton path is run beside its previous path on the same inputs, and the RMS of
-their difference, relative to the previous path's, goes into its rows (``rel_rms_vs_previous``: of the output, of
+Once both of an op's paths are timed at a shape and mode, the triton path runs beside the previous one on the same
+inputs, and the RMS of their difference, relative to the previous path's, goes into the triton row (``rel_rms_vs_previous``: of the output, of
 the projection's gradient): the launch configurations chosen at these shapes compute the op.
 
 Written into ``--out``, again after every row (a run stopped at a time limit keeps what it measured):
@@ -540,6 +540,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     name, limits = device_limits(device)
     print(f"{name}: limits {limits or 'unknown'}; {len(shapes) * len(args.ops) * 4} rows", flush=True)
     results = []
+    triton_rows = {}
     for which in (0, 1):  # the triton path, then the previous one
         for shape in shapes:
             for attn in args.ops:
@@ -549,13 +550,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     results.append(row)
                     status = row.get("error") or f"{row['median_ms']:.3f} ms, first call {row['first_call_s']} s"
                     print(f"{shape.label} {attn} {path.label} {mode}: {status}", flush=True)
+                    if which == 0:
+                        triton_rows[(shape.label, attn, mode)] = row
+                    else:  # both paths have run here: compare them, on inputs of their own
+                        compared = agreement(attn, shape, mode, device, args)
+                        triton_rows[(shape.label, attn, mode)]["rel_rms_vs_previous"] = compared
+                        print(f"{shape.label} {attn} {mode}: triton against {path.label}, relative RMS {compared}",
+                              flush=True)
                     write_outputs(args.out, results, shapes, device, args, log)
-    for row in results[: len(results) // 2]:  # the triton paths' rows
-        shape = next(shape for shape in shapes if shape.label == row["shape"])
-        row["rel_rms_vs_previous"] = agreement(row["op"], shape, row["mode"], device, args)
-        print(f"{shape.label} {row['op']} {row['mode']}: triton against {OPS[row['op']][1].label}, relative RMS "
-              f"{row['rel_rms_vs_previous']}", flush=True)
-    write_outputs(args.out, results, shapes, device, args, log)
     return results
 
 
