@@ -19,8 +19,9 @@ export PYTHONUNBUFFERED=1  # a stage stopped at its limit keeps the log it print
 PY=${PYTHON:-python3}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # The check: about 445 s of stages on an H200, an estimate: the cuda tests and the kernels at their limits (150 s,
-# 60 s; 129 cuda tests, many of which compile Triton kernels: 60 of them took 106 s) and the benchmark stages' 235 s of docs/results/2026-11-27-h200-check.md (where FlexAttention compiled in the rows the Triton kernels
-# take now, their compiled kernels cached by the kernels stage). When named: the rows on the paths before the kernels
+# 60 s; 129 cuda tests, many of which compile Triton kernels: 60 of them took 106 s) and the benchmark stages'
+# 235 s of docs/results/2026-11-27-h200-check.md (where FlexAttention compiled in the rows the Triton kernels take
+# now, their compiled kernels cached by the kernels stage). When named: the rows on the paths before the kernels
 # (about 35 and 30 s), the tile-aligned rows (aligned_2048, aligned_1024, aligned_train_1024), the training run
 # (99 s there), the kernel profiles (75 s), max_tokens (over 225 s) and compile_1024.
 CHECK="cuda_tests kernels infer_2048 infer_1024 train_1024 infer_224 train_2048"
