@@ -23,9 +23,10 @@ Accounting per call (B images, N = P + H W tokens, C = heads x d, e bytes per el
 - FLOPs: the layer's cost model (``mixing_flops``, the benchmark's count) times B, and three times that for
   forward + backward (each product has two products in its backward; recomputation is not counted).
 
-Once both of an op's paths are timed at a shape and mode, the triton path runs beside the previous one on the same
-inputs, and the RMS of their difference, relative to the previous path's, goes into the triton row (``rel_rms_vs_previous``: of the output, of
-the projection's gradient): the launch configurations chosen at these shapes compute the op.
+Once both of an op's paths are timed at a shape and mode, the triton path runs beside the previous one on the
+same inputs, and the RMS of their difference, relative to the previous path's, goes into the triton row
+(``rel_rms_vs_previous``: of the output, of the projection's gradient): the launch configurations chosen at these
+shapes compute the op.
 
 Written into ``--out``, again after every row (a run stopped at a time limit keeps what it measured):
 ``kernels.csv`` (a row per op, path, shape and mode), ``kernels.md``, ``tuned_configs.json`` (every kernel's launch

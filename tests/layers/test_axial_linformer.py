@@ -163,6 +163,30 @@ def test_linformer_projecting_the_input_equals_the_generic_path(grid, p):
         assert_rms_close(grads_fast[name], grad, 1e-5, f"d{name}")
 
 
+def test_linformer_under_autocast_projects_in_its_dtype_and_leaves_fp64_alone():
+    """Under bf16 autocast the projected keys and values are bf16, a qkv bias included (an fp32 bias would
+    promote them), and equal the generic path's; an fp64 layer is left in fp64, as autocast leaves it."""
+    grid, p = (4, 6), 1
+    x = torch.randn(2, p + grid[0] * grid[1], DIM)
+    layer = _layer("linformer", grid, p, qkv_bias=True)
+    keys_seen = []
+    original = ops.linformer.project_keys_values
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                "visattn.layers.linformer.project_keys_values",
+                lambda *args: keys_seen.append(original(*args)) or keys_seen[-1],
+            )
+            out = layer(x)
+        generic = _generic_path(layer)(x)
+    assert [t.dtype for t in keys_seen[0]] == [torch.bfloat16, torch.bfloat16]
+    # both in bf16 (8 significant bits) from the same inputs, their roundings apart: 2^-8 x a few
+    assert_rms_close(out.float(), generic.float(), 4 * 2**-8, "autocast: projected first vs generic")
+    layer64 = _layer("linformer", grid, p, qkv_bias=True).double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer64(x.double()).dtype == torch.float64
+
+
 @TRITON_ON_CPU
 @pytest.mark.parametrize("rope", [None, "axial"], ids=["projection", "rope"])
 def test_axial_triton_path_equals_sdpa(rope):

@@ -208,9 +208,9 @@ LINFORMER_MEMORY_CASES = [  # (grid, P, k, autocast): the tokens projected first
 def test_linformer_memory_is_what_autograd_keeps(grid, p, k, autocast):
     """Batch 2, fp32 or under bf16 autocast on the CPU: the storages saved for the backward besides the layer's
     input and its parameters (the block counts those), and under autocast the bf16 casts of both (any layer's
-    qkv projection keeps those; the model's estimate leaves the weights' out), are the formula's to the byte: the batch's share of the training figure and, once, the two
-    projections with their prefix rows. (With a qkv bias the 2 (P + k) row sums that scale it are kept too, a
-    few bytes the formula leaves out.)"""
+    qkv projection keeps those; the model's estimate leaves the weights' out), are the formula's to the byte:
+    the batch's share of the training figure and, once, the two projections with their prefix rows. (With a
+    qkv bias the 2 (P + k) row sums that scale it are kept too, a few bytes the formula leaves out.)"""
     batch, dim, heads = 2, 32, 2
     layer = get_attention("linformer")(dim, heads, k=k, ref_grid=grid)
     layer.set_grid(grid, p)
@@ -220,7 +220,7 @@ def test_linformer_memory_is_what_autograd_keeps(grid, p, k, autocast):
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        if t.dtype == torch.bfloat16 and t.shape in (x.shape, (dim, dim)):  # x, or a C x C block of qkv's weight
+        if t.dtype == torch.bfloat16 and t.shape in (x.shape, (dim, dim)):  # x, or a C x C block of the weight
             casts.append((tuple(t.shape), t.untyped_storage().data_ptr()))
         return t
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 import visattn
 from tests.helpers import assert_rms_close
+from visattn.layers.local import restore_tile_ordered, set_tile_ordered
 from visattn.models.tile_order import TileOrderBlocks, shared_tile_layout
 from visattn.ops import backends
 from visattn.ops.backends import force_backend
@@ -123,6 +124,33 @@ def test_on_cuda_the_tile_aligned_options_plan_flex_without_padding(monkeypatch)
         assert planned_local_backend(cuda, False, 0.0, *aligned, 1, False) == "gathered"
 
 
+@pytest.mark.parametrize("attn", ["neighborhood", "sparse"])
+def test_unforced_on_cuda_the_tile_aligned_options_keep_the_tile_order(attn, monkeypatch):
+    """The blocks' own question, as a CUDA device would get it (the plans built on the CPU, the choice made for
+    CUDA with Triton present): ViT-S/16 shapes with a class token at 1024 and 2048 px keep the tile order for
+    the tile-aligned options, in training and in inference; at 224 px (dense attention) and for the exact
+    windows (the Triton kernels) the blocks stay in raster order."""
+    monkeypatch.setattr(backends, "triton_runs_on", lambda device: True)
+    monkeypatch.setattr(
+        "visattn.layers.local.planned_local_backend",
+        lambda device, *args: planned_local_backend(torch.device("cuda"), *args),
+    )
+    for aligned in (True, False):
+        model = _model(attn, {"tile_aligned": aligned}, (14, 14))
+        layers = [block.attn for block in model.blocks]
+        for side in (64, 128, 14):
+            for layer in layers:
+                layer.set_grid((side, side), 1)
+            x = torch.empty(1, 1 + side * side, 192)
+            for training in (True, False):
+                model.train(training)
+                layout = shared_tile_layout(layers, x)
+                if aligned and side != 14:
+                    assert layout is not None and layout.num_slots == 1 + side * side, (side, training)
+                else:
+                    assert layout is None, (aligned, side, training)
+
+
 def test_threads_sharing_a_model_each_keep_their_own_order():
     """Threads A and B both wait inside their first block until the other is inside too; A then finishes its
     forward while B waits, and B goes on: B's later blocks still read tile order (an order kept on the shared
@@ -218,6 +246,35 @@ def test_a_compiled_model_keeps_the_tile_order_in_one_graph():
     assert_rms_close(compiled, eager, SAME_ARITHMETIC, "compiled vs eager")
 
 
+@pytest.mark.compile
+def test_a_layer_compiled_in_tile_order_is_compiled_again_for_raster_order():
+    """A graph traced while the layer read tile order is not taken when another layer does and this one reads
+    raster order (a guard on which layers, not only on how many)."""
+    grid = (16, 16)
+    model = _model("sparse", {"tile_aligned": True, "halo": 0}, grid)
+    layer, other = (block.attn for block in model.blocks)
+    image = _image(grid, batch=1)
+    with force_backend("local", "flex"), torch.no_grad():
+        model(image)  # the grid hook tells the layers their grid
+        x = torch.randn(1, model.num_prefix_tokens + grid[0] * grid[1], 192)
+        raster = layer(x)
+        layout = layer.tile_layout(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        previous = set_tile_ordered([layer])
+        try:
+            in_tiles = compiled(x.index_select(1, layout.slot_token))
+        finally:
+            restore_tile_ordered(previous)
+        previous = set_tile_ordered([other])
+        try:
+            again = compiled(x)
+        finally:
+            restore_tile_ordered(previous)
+    assert_rms_close(in_tiles.index_select(1, layout.token_slot), raster, SAME_ARITHMETIC, "tile order")
+    assert_rms_close(again, raster, SAME_ARITHMETIC, "raster order after a graph traced in tile order")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("attn,attn_kwargs,grid,kwargs", CASES[:1] + CASES[2:3], ids=IDS[:1] + IDS[2:3])
 def test_cuda_training_in_tile_order_matches_raster_order(attn, attn_kwargs, grid, kwargs):
@@ -236,5 +293,7 @@ def test_cuda_training_in_tile_order_matches_raster_order(attn, attn_kwargs, gri
 
     (kept, kept_grads), (per_layer, per_layer_grads) = run(True), run(False)
     assert_rms_close(kept, per_layer, SAME_ARITHMETIC, "outputs")
+    # a weight's gradient sums over the B N tokens, here in another order: fp32 sums of 2 x 513 or 2 x 256 terms
+    # differ by about 2^-24 sqrt(B N), 2e-6 relative; 1e-5 leaves room and fails a wrong token's contribution
     for got, expected in zip(kept_grads, per_layer_grads):
-        assert_rms_close(got, expected, SAME_ARITHMETIC, "gradients")
+        assert_rms_close(got, expected, 1e-5, "gradients")

@@ -31,7 +31,7 @@ from visattn.ops.checks import check_grid, check_grid_size, check_nonnegative_in
 from visattn.ops.layout import merge_heads, split_qkv
 from visattn.ops.rope import apply_rope, check_rope
 
-_AUTOCAST_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+AUTOCAST_DTYPES = {torch.float32, torch.float16, torch.bfloat16}  # what torch.autocast casts
 
 
 class GridAttention(nn.Module, ABC):
@@ -118,7 +118,7 @@ class GridAttention(nn.Module, ABC):
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"{self.name}: x must be (B, N, {self.dim}), got shape {tuple(x.shape)}")
         weight = self.qkv.weight
-        autocast_casts = torch.is_autocast_enabled(x.device.type) and {x.dtype, weight.dtype} <= _AUTOCAST_DTYPES
+        autocast_casts = torch.is_autocast_enabled(x.device.type) and {x.dtype, weight.dtype} <= AUTOCAST_DTYPES
         if x.dtype != weight.dtype and not autocast_casts:
             raise ValueError(
                 f"{self.name}: x is {x.dtype} but the layer's weights are {weight.dtype}; convert one to the other "

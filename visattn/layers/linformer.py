@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from visattn.layers.base import GridAttention
+from visattn.layers.base import AUTOCAST_DTYPES, GridAttention
 from visattn.layers.cost import CostCase, MixingMemory
 from visattn.ops.layout import merge_heads, split_heads
 from visattn.ops.linformer import area_pooling_projection, linformer_attn, project_keys_values, resample_projection
@@ -75,8 +75,8 @@ class LinformerAttention(GridAttention):
             return super().project_and_mix(x, grid, attn_mask, is_causal)
         C = x.shape[-1]
         device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):  # one cast of x for both products, in the dtype they run in
-            x = x.to(torch.get_autocast_dtype(device_type))
+        if torch.is_autocast_enabled(device_type) and {x.dtype, self.qkv.weight.dtype} <= AUTOCAST_DTYPES:
+            x = x.to(torch.get_autocast_dtype(device_type))  # one cast of x for both products, in their dtype
         weight, bias = self.qkv.weight, self.qkv.bias
         q = F.linear(x, weight[:C], None if bias is None else bias[:C])
         keys, values = project_keys_values(

@@ -13,18 +13,24 @@ from visattn.layers.base import GridAttention
 from visattn.layers.cost import CostCase, MixingMemory, local_memory, windowed_flops
 from visattn.ops.local import AxisPlan, AxisTiling, FlexLayout, flex_layout, planned_local_backend
 
-# The layers that run on tokens in tile order now, per thread: a model shared by threads (a server's
-# concurrent forwards) must not see another thread's order. A thread-local, not a ContextVar: torch.compile
-# traces reading and setting it.
+# The ids of the layers that run on tokens in tile order now, per thread: a model shared by threads (a server's
+# concurrent forwards) must not see another thread's order. A thread-local, not a ContextVar, which torch.compile
+# does not trace; a set of ids, not of layers, since a compiled graph's guard on a tuple of modules checks only its
+# length, so a layer compiled in tile order would take that graph for another layer's.
 _tile_ordered = threading.local()
 
 
-def set_tile_ordered(layers: Sequence[GridAttention]) -> tuple[GridAttention, ...]:
-    """Makes ``layers`` read and write tokens in tile order on this thread; returns the layers that did
-    before, to restore with the same function."""
-    previous = getattr(_tile_ordered, "layers", ())
-    _tile_ordered.layers = tuple(layers)
+def set_tile_ordered(layers: Sequence[GridAttention]) -> frozenset[int]:
+    """Makes ``layers`` read and write tokens in tile order on this thread; returns the ids of the layers that
+    did before, to restore with :func:`restore_tile_ordered`."""
+    previous = getattr(_tile_ordered, "ids", frozenset())
+    _tile_ordered.ids = frozenset(id(layer) for layer in layers)
     return previous
+
+
+def restore_tile_ordered(previous: frozenset[int]) -> None:
+    """Puts back what :func:`set_tile_ordered` returned."""
+    _tile_ordered.ids = previous
 
 
 class LocalWindowAttention(GridAttention):
@@ -38,7 +44,7 @@ class LocalWindowAttention(GridAttention):
     @property
     def token_order(self) -> str:
         """``"tile"`` while this thread's model runs its blocks in tile order, else ``"raster"``."""
-        return "tile" if any(layer is self for layer in getattr(_tile_ordered, "layers", ())) else "raster"
+        return "tile" if id(self) in getattr(_tile_ordered, "ids", frozenset()) else "raster"
 
     @abstractmethod
     def window_plans(self, grid: tuple[int, int], device: torch.device) -> tuple[AxisPlan, AxisPlan]:

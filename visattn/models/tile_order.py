@@ -16,7 +16,8 @@ CPU, with dropout, with rope, where the windows of the blocks put the tokens in 
 layout pads, where a backend other than ``flex`` is forced, and with ``keep_tile_order = False``. Paths that
 call the blocks one by one (timm's ``forward_intermediates``, gradient checkpointing through
 ``checkpoint_seq``) run them in raster order, each layer permuting for itself. The order is set per thread,
-so threads sharing a model each run their own.
+so threads sharing a model at one image size each run their own (the grid the layers are told is the model's,
+not a thread's).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from visattn.layers.local import LocalWindowAttention, set_tile_ordered
+from visattn.layers.local import LocalWindowAttention, restore_tile_ordered, set_tile_ordered
 from visattn.ops.local import FlexLayout
 
 _log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class TileOrderBlocks(nn.Sequential):
         try:
             x = super().forward(x.index_select(1, layout.slot_token))
         finally:
-            set_tile_ordered(previous)
+            restore_tile_ordered(previous)
         return x.index_select(1, layout.token_slot)
 
 

@@ -134,8 +134,8 @@ def project_keys_values(
     values = F.linear(tokens[:, rows:], kv_weight[dim:])
     if kv_bias is not None:  # row j carries the bias sum_t E'_jt times: a prefix token once
         weight_sum = both.sum(dim=1)[:, None]  # (2 (P + k), 1)
-        keys = keys + weight_sum[:rows] * kv_bias[:dim]
-        values = values + weight_sum[rows:] * kv_bias[dim:]
+        keys = keys + (weight_sum[:rows] * kv_bias[:dim]).to(keys.dtype)  # an fp32 bias would promote them
+        values = values + (weight_sum[rows:] * kv_bias[dim:]).to(values.dtype)
     return keys, values
 
 

@@ -289,7 +289,8 @@ def flex_local_attn(
     if token_order == "tile":
         if q.shape[2] != layout.num_slots:
             raise ValueError(
-                f"flex_local_attn: in tile order q, k, v hold the layout's {layout.num_slots} slots, got {q.shape[2]} tokens"
+                f"flex_local_attn: in tile order q, k, v hold the layout's {layout.num_slots} slots, "
+                f"got {q.shape[2]} tokens"
             )
         return _attend_slots(q, k, v, layout, scale)
     heads = q.shape[1]
@@ -302,7 +303,9 @@ def flex_local_attn(
     return out.transpose(1, 2).index_select(1, layout.token_slot).transpose(1, 2)
 
 
-def _attend_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayout, scale: float | None) -> torch.Tensor:
+def _attend_slots(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlexLayout, scale: float | None
+) -> torch.Tensor:
     """Attention over the tokens in ``layout``'s slots: (B, heads, S, d) -> (B, heads, S, d_v)."""
     attended = layout.attended
     out = _attend(q[:, :, :attended], k[:, :, :attended], v[:, :, :attended], layout.block_mask, scale)
