@@ -95,6 +95,21 @@ def test_triton_memory_is_what_autograd_keeps(prefix_visible):
     assert saved == batch * triton_memory(CostCase(TokenLayout(grid, p), heads, d, act_bytes=4), p + 35).train
 
 
+def test_a_forced_local_path_is_the_one_the_estimate_counts(monkeypatch):
+    """ViT-S/16 at 1024 px (64 x 64 patches, a class token, 6 heads of 64, bf16) with a 7 x 7 neighbourhood on
+    CUDA: the Triton kernels' tensors by default; forced onto FlexAttention (as the benchmark's ``--backend
+    local=flex`` does), FlexAttention's over its 128 + 4,096 slots (the class token padded to a block)."""
+    monkeypatch.setattr("visattn.ops.backends.triton_runs_on", lambda device: True)
+    layout, c = TokenLayout((64, 64), 1), 384
+    case = CostCase(layout, 6, 64, attention_options("neighborhood", {}, (64, 64)), 2, CUDA)
+    layer = get_attention("neighborhood")
+    assert layer.mixing_memory(case) == triton_memory(case, 4097)
+    with force_backend("local", "flex"):
+        flex = layer.mixing_memory(case)
+    kept = 4 * (128 + 4096) * c * 2 + 4 * 6 * (128 + 4096)
+    assert flex == MixingMemory(infer=kept, train=kept)
+
+
 def test_a_local_type_on_cuda_keeps_the_tiles_where_the_dense_path_runs():
     """7 x 7 windows on 14 x 14 patches: the engine takes the dense path on every device, for which the
     estimate counts the tiles' figures, as on the CPU: an approximation, since the dense path keeps an

@@ -22,11 +22,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from visattn.ops.backends import choose_local_backend
 from visattn.ops.checks import check_positive_int
 from visattn.ops.local import AxisTiling
-from visattn.ops.local.engine import dense_is_cheaper, is_self_only
-from visattn.ops.local.flex import flex_slots, full_block_tile
+from visattn.ops.local.engine import planned_local_backend
+from visattn.ops.local.flex import flex_slots
 
 
 @dataclass(frozen=True)
@@ -114,10 +113,11 @@ def flex_memory(case: CostCase, slots: int) -> MixingMemory:
     """The tiled local engine on FlexAttention (:func:`visattn.ops.local.flex.flex_local_attn`), over
     ``slots`` tokens in tile order: q, k and v copied into that order (or, where the model keeps its
     tokens in tile order, :mod:`visattn.models.tile_order`, views of the qkv projection: as many bytes), the
-    kernel's output and its fp32 log-sum-exp per slot and head, all kept for the backward. No gathered tiles and no mask (the block
-    mask's tables, a few kB per layout, are left out); the qkv projection is not kept, since the
-    permutation's backward needs only its indices. Where the prefix rows run apart (tile-aligned windows)
-    the count is the same: their queries are copied, and their SDPA keeps its output and log-sum-exp."""
+    kernel's output and its fp32 log-sum-exp per slot and head, all kept for the backward. No gathered tiles
+    and no mask (the block mask's tables, a few kB per layout, are left out); the qkv projection is not kept,
+    since the permutation's backward needs only its indices. Where the prefix rows run apart (tile-aligned
+    windows) the count is the same: their queries are copied, and their SDPA keeps its output and
+    log-sum-exp."""
     kept = 4 * slots * case.dim * case.act_bytes + 4 * case.num_heads * slots
     return MixingMemory(infer=kept, train=kept)
 
@@ -135,16 +135,13 @@ def local_memory(
     case: CostCase, rows: AxisTiling, cols: AxisTiling, num_prefix_tokens: int, prefix_visible: bool
 ) -> MixingMemory:
     """The tiled local engine (:func:`visattn.ops.local.tiled_local_attn`, with its ``num_prefix_tokens``
-    and ``prefix_visible``) on the path :func:`visattn.ops.backends.choose_local_backend` picks on the
-    case's device in each mode: :func:`triton_memory` on the Triton kernels, :func:`flex_memory` on
-    FlexAttention, else :func:`tiled_memory`. The dense path of short sequences is counted as the tiles
+    and ``prefix_visible``) on the path it takes on the case's device in each mode
+    (:func:`visattn.ops.local.planned_local_backend`: a path forced by ``force_backend``, else the chosen
+    one): :func:`triton_memory` on the Triton kernels, :func:`flex_memory` on FlexAttention, else
+    :func:`tiled_memory`. The dense path of short sequences is counted as the tiles
     too, an approximation: it keeps an N x N additive mask instead of the gathered tiles and their mask."""
-    self_only = is_self_only(rows, cols, num_prefix_tokens, prefix_visible)
-    dense = dense_is_cheaper(rows, cols, num_prefix_tokens, prefix_visible)
-    full_blocks = full_block_tile(rows, cols) is not None
-
     def on_path(needs_grad: bool) -> MixingMemory:
-        path = choose_local_backend(case.device, needs_grad, 0.0, self_only, dense, full_blocks)
+        path = planned_local_backend(case.device, needs_grad, 0.0, rows, cols, num_prefix_tokens, prefix_visible)
         if path == "triton":
             return triton_memory(case, num_prefix_tokens + case.layout.num_patches)
         if path == "flex":

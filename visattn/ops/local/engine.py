@@ -215,7 +215,7 @@ def check_grid_for_order(
 
 
 def _chooser(
-    device: torch.device, needs_grad: bool, dropout_p: float, rows: AxisPlan, cols: AxisPlan,
+    device: torch.device, needs_grad: bool, dropout_p: float, rows: AxisPlan | AxisTiling, cols: AxisPlan | AxisTiling,
     num_prefix_tokens: int, prefix_visible: bool,
 ) -> Callable[[], str]:
     """:func:`visattn.ops.backends.choose_local_backend` for these windows, to be called by the selection."""
@@ -231,11 +231,12 @@ def _chooser(
 
 
 def planned_local_backend(
-    device: torch.device, needs_grad: bool, dropout_p: float, rows: AxisPlan, cols: AxisPlan,
+    device: torch.device, needs_grad: bool, dropout_p: float, rows: AxisPlan | AxisTiling, cols: AxisPlan | AxisTiling,
     num_prefix_tokens: int, prefix_visible: bool,
 ) -> str:
-    """The path :func:`tiled_local_attn` takes, without ``backend=``, for inputs on ``device`` (a model asks
-    before its layers run, to keep the tokens in tile order where every layer takes ``flex``)."""
+    """The path :func:`tiled_local_attn` takes, without ``backend=``, for inputs on ``device``, logging nothing:
+    what a model asks before its layers run (to keep the tokens in tile order where every layer takes ``flex``)
+    and what the cost model counts. Reads the windows' sizes alone, so the plans' tilings answer it too."""
     return planned_backend(
         "local", _chooser(device, needs_grad, dropout_p, rows, cols, num_prefix_tokens, prefix_visible)
     )
