@@ -140,17 +140,27 @@ def test_axial_on_sdpa_counts_what_sdpa_keeps_in_each_hop():
     assert cuda == cpu._replace(train=expected)  # inference takes plain SDPA on every device
 
 
-def _saved_bytes(fn, *inputs: torch.Tensor) -> int:
-    """Bytes of the distinct storages that autograd keeps for the backward of ``fn(*inputs)``."""
-    storages: dict[int, int] = {}
+def _saved_tensors(fn, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    """Every tensor autograd keeps for the backward of ``fn(*inputs)``."""
+    saved: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        saved.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*inputs)
-    return sum(storages.values())
+    return saved
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _saved_bytes(fn, *inputs: torch.Tensor) -> int:
+    """Bytes of the distinct storages that autograd keeps for the backward of ``fn(*inputs)``."""
+    return _storage_bytes(_saved_tensors(fn, *inputs))
 
 
 @pytest.mark.parametrize("grid, p", [((5, 7), 2), ((4, 6), 0)], ids=["grid5x7-p2", "grid4x6-p0"])
@@ -230,21 +240,17 @@ def test_linformer_memory_is_what_autograd_keeps(grid, p, k, autocast):
     layer = get_attention("linformer")(dim, heads, k=k, ref_grid=grid)
     layer.set_grid(grid, p)
     x = torch.randn(batch, p + grid[0] * grid[1], dim, requires_grad=True)
-    storages: dict[int, int] = {}
-    casts = []
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        if t.dtype == torch.bfloat16 and t.shape in (x.shape, (dim, dim)):  # x, or a C x C block of the weight
-            casts.append((tuple(t.shape), t.untyped_storage().data_ptr()))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def mix(x: torch.Tensor) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             layer.project_and_mix(x, grid, None, False)
-    kept_elsewhere = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())} | {ptr for _, ptr in casts}
-    assert sum(shape == tuple(x.shape) for shape, _ in set(casts)) == (1 if autocast else 0)  # x cast once
-    saved = sum(size for pointer, size in storages.items() if pointer not in kept_elsewhere)
+
+    tensors = _saved_tensors(mix, x)
+    # x, or a C x C block of the weight, cast to bf16
+    casts = [t for t in tensors if t.dtype == torch.bfloat16 and t.shape in (x.shape, (dim, dim))]
+    assert len({t.untyped_storage().data_ptr() for t in casts if t.shape == x.shape}) == int(autocast)  # x cast once
+    kept_elsewhere = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters(), *casts)}
+    saved = _storage_bytes([t for t in tensors if t.untyped_storage().data_ptr() not in kept_elsewhere])
     options = attention_options("linformer", {"k": k}, grid)
     case = CostCase(TokenLayout(grid, p), heads, dim // heads, options, act_bytes=2 if autocast else 4)
     memory = layer.mixing_memory(case)

@@ -11,7 +11,14 @@ import visattn.ops.linear.triton as linear_triton
 import visattn.ops.local.triton as local_triton
 from visattn.ops import triton_support
 
-pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs the triton package")
+triton = pytest.importorskip("triton", reason="needs the triton package")
+
+
+class _Tuner:
+    """What autotuned_configs reads of a Triton autotuner: its cache, key -> chosen triton.Config."""
+
+    def __init__(self, cache):
+        self.cache = cache
 
 
 @pytest.fixture
@@ -87,16 +94,10 @@ def test_linear_table_entries_serve_only_their_feature_map_rope_and_kernel(compi
 def test_linear_autotuning_choices_come_back_as_table_entries(compiled_without_autotuning, monkeypatch):
     """Triton's autotuner caches a choice under the values of its key arguments, then the tensor arguments'
     dtypes; each becomes the TUNED_CONFIGS entry that ``_kernel`` looks up for the same launch."""
-    import triton
-
-    class Tuner:
-        def __init__(self, cache):
-            self.cache = cache
-
     chosen = triton.Config({"BLOCK_N": 64}, num_warps=8, num_stages=3)
     monkeypatch.setattr(linear_triton, "_AUTOTUNED", raising=False, value={
-        ("output_kernel", False): Tuner({(64, 1, True, 3, "torch.bfloat16", "torch.float32"): chosen}),
-        ("state_kernel", False): Tuner({(64, 0, False, "torch.float16", "torch.float32"): chosen}),
+        ("output_kernel", False): _Tuner({(64, 1, True, 3, "torch.bfloat16", "torch.float32"): chosen}),
+        ("state_kernel", False): _Tuner({(64, 0, False, "torch.float16", "torch.float32"): chosen}),
     })
     expected = linear_triton.LaunchConfig(64, 8, 3)
     assert linear_triton.autotuned_configs() == {
@@ -108,19 +109,13 @@ def test_linear_autotuning_choices_come_back_as_table_entries(compiled_without_a
 def test_local_autotuning_keeps_the_first_windows_choice(compiled_without_autotuning, monkeypatch):
     """The autotuning's key holds the window, the table's does not: the first window tuned (neighborhood's
     7 x 7 in scripts/time_kernels.py) gives the entry, a later window's choice does not replace it."""
-    import triton
-
-    class Tuner:
-        def __init__(self, cache):
-            self.cache = cache
-
     first = triton.Config({"QH": 8, "QW": 8, "KH": 4, "KW": 16}, num_warps=4, num_stages=2)
     later = triton.Config({"QH": 8, "QW": 16, "KH": 8, "KW": 16}, num_warps=8, num_stages=2)
     cache = {  # DIM, DIM_V, row_a, row_c, col_a, col_c, ROW_BLOCK, COL_BLOCK, BLOCK_P, then the dtypes
         (64, 64, 3, 7, 3, 7, 0, 0, 16, "torch.bfloat16"): first,  # a 7 x 7 neighbourhood
         (64, 64, 3, 0, 3, 0, 8, 8, 16, "torch.bfloat16"): later,  # blocks of 8, halo 3
     }
-    monkeypatch.setattr(local_triton, "_AUTOTUNED", raising=False, value={"window_forward_kernel": Tuner(cache)})
+    monkeypatch.setattr(local_triton, "_AUTOTUNED", raising=False, value={"window_forward_kernel": _Tuner(cache)})
     assert local_triton.autotuned_configs() == {
         ("window_forward_kernel", 64, "bfloat16"): local_triton.TileConfig(8, 8, 4, 16, 4, 2),
     }
