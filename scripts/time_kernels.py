@@ -259,13 +259,18 @@ def time_call(
     return first, 1000 * statistics.median(times)
 
 
+def _autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:
+    """Autocast to ``dtype`` as a run in it would, off for fp32."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 def measure_path(
     attn: str, path: OpPath, shape: Shape, mode: str, device: torch.device, args: argparse.Namespace
 ) -> tuple[float, float]:
     """(first call s, median ms) of ``attn`` on ``path`` at ``shape`` in ``mode``, under autocast in the dtype."""
     dtype = DTYPES[args.dtype]
     inputs, qkv, grad = make_inputs(attn, shape, device, dtype)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    autocast = _autocast(device, dtype)
     leaves = [t for t in (qkv, inputs.conv_weight, inputs.conv_bias) if t is not None]
     if mode == "forward":
 
@@ -329,11 +334,11 @@ def agreement(attn: str, shape: Shape, mode: str, device: torch.device, args: ar
         for path in OPS[attn]:
             with forced_backends(path.forced):
                 if mode == "forward":
-                    with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    with torch.inference_mode(), _autocast(device, dtype):
                         results.append(path.call(qkv, inputs).float())
                     continue
                 leaf = qkv.detach().requires_grad_(True)
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                with _autocast(device, dtype):
                     out = path.call(leaf, inputs)
                 out.backward(grad)
                 results.append(leaf.grad.float())
